@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Build the extension in place (src/mlx_h2o/_ext*.so) for development: PYTHONPATH=src pytest.
+# Each git worktree gets its own build/ folder, so parallel checkouts do not collide.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+cmake -S . -B build/dev -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$py")" >/dev/null
+cmake --build build/dev -j "$(nproc)"
+cp build/dev/_ext*.so src/mlx_h2o/
+echo "built $(ls src/mlx_h2o/_ext*.so)"

@@ -1,0 +1,18 @@
+"""mlx-h2o: bounded-memory LLM inference for MLX / mlx-lm.
+
+Import order matters: mlx.core must be loaded before the C++ extension that links against libmlx.
+"""
+
+import mlx.core as mx  # noqa: F401  (loads libmlx before the extension)
+
+from . import _ext
+from ._version_check import check_extension
+
+check_extension(_ext.built_with_mlx)
+
+from .attention import scaled_dot_product_attention_with_scores  # noqa: E402
+from .caches import POLICIES, make_cache  # noqa: E402
+from .loading import load  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["load", "make_cache", "POLICIES", "scaled_dot_product_attention_with_scores"]
