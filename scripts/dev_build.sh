@@ -7,4 +7,5 @@ py=${PYTHON:-python3}
 cmake -S . -B build/dev -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$py")" >/dev/null
 cmake --build build/dev -j "$(nproc)"
 cp build/dev/_ext*.so src/mlx_h2o/
+cp build/dev/libmlx_h2o_blas.so src/mlx_h2o/ 2>/dev/null || true
 echo "built $(ls src/mlx_h2o/_ext*.so)"

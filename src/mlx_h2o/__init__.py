@@ -3,7 +3,11 @@
 Import order matters: mlx.core must be loaded before the C++ extension that links against libmlx.
 """
 
-import mlx.core as mx  # noqa: F401  (loads libmlx before the extension)
+from ._blas import blas_backend, route_matmul_to_openblas
+
+route_matmul_to_openblas()  # must run before libmlx is loaded (see _blas.py)
+
+import mlx.core as mx  # noqa: E402,F401  (loads libmlx before the extension)
 
 from . import _ext
 from ._version_check import check_extension
@@ -15,4 +19,4 @@ from .caches import POLICIES, make_cache  # noqa: E402
 from .loading import load  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["load", "make_cache", "POLICIES", "scaled_dot_product_attention_with_scores"]
+__all__ = ["blas_backend", "load", "make_cache", "POLICIES", "scaled_dot_product_attention_with_scores"]
