@@ -1,0 +1,152 @@
+"""`mlx-h2o`: generate with a bounded cache, or measure policies side by side.
+
+    mlx-h2o generate --prompt "..." --cache rotating --max-kv-size 256
+    mlx-h2o eval --cache full rotating --max-kv-size 128 256 512 --seq-len 2048 --samples 4
+"""
+
+import argparse
+import os
+import sys
+
+# Importing mlx_h2o first lets it route MLX's CPU matmuls to OpenBLAS (see _blas.py).
+import mlx_h2o  # noqa: I001
+
+import mlx.core as mx  # noqa: E402
+
+
+def _add_model_args(p):
+    p.add_argument("--model", default=None, help="a .gguf file or an mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--weights", default=None, choices=["float32", "bfloat16", "float16", "quantized"], help="GGUF weights: dequantized dtype or packed (default: float32 on CPU)")
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _cache_options(args) -> dict:
+    return {"max_kv_size": args.max_kv_size} if args.max_kv_size is not None else {}
+
+
+def cmd_generate(args) -> int:
+    from mlx_lm import stream_generate
+
+    if args.prompt is None and args.prompt_file is None:
+        raise ValueError("give --prompt or --prompt-file")
+    prompt = args.prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --prompt-file {args.prompt_file!r}: {e}") from None
+    model, tokenizer = mlx_h2o.load(args.model, weights=args.weights)
+    cache = mlx_h2o.make_cache(model, args.cache, **_cache_options(args))
+    if tokenizer.has_chat_template and not args.no_chat_template:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        prompt = tokenizer.encode(prompt)
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, prompt_cache=cache):
+        print(response.text, end="", flush=True)
+    print(flush=True)
+    if response is None:
+        return 0
+    layers = [c for c in cache if hasattr(c, "size")]
+    tokens = max((c.size() for c in layers), default=0)
+    kv = sum(c.nbytes for c in cache)
+    print("=" * 10, file=sys.stderr)
+    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens-per-sec", file=sys.stderr)
+    print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec", file=sys.stderr)
+    print(f"Peak memory: {response.peak_memory:.3f} GB", file=sys.stderr)
+    print(f"KV cache ({args.cache}): {tokens} tokens per layer, {kv / 2**20:.2f} MiB in {len(cache)} layers", file=sys.stderr)
+    print(f"BLAS: {mlx_h2o.blas_backend()}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .evaluation import load_corpus, token_samples
+    from .evaluation.report import perplexity_markdown, plot_sweep, speed_markdown, write_json
+    from .evaluation.runner import parse_specs, perplexity_table, speed_table
+
+    specs = parse_specs(args.cache, args.max_kv_size or ())
+    corpus = load_corpus(args.text_files)
+    print(f"corpus: {corpus.name}", file=sys.stderr)
+    print(f"BLAS: {mlx_h2o.blas_backend()}", file=sys.stderr)
+    model, tokenizer = mlx_h2o.load(args.model, weights=args.weights)
+    rows = []
+    for seq_len in args.seq_len:
+        samples = token_samples(tokenizer, corpus, args.samples, seq_len, seed=args.seed)
+        print(f"seq {seq_len}: samples from " + ", ".join(os.path.basename(s[0]) for s in samples), file=sys.stderr)
+        rows += perplexity_table(model, specs, samples, prefill=args.prefill, batch_size=args.batch_size, progress=not args.quiet)
+    print(perplexity_markdown(rows))
+    payload = {"corpus": corpus.name, "blas": mlx_h2o.blas_backend(), "perplexity": rows}
+    if args.speed_context:
+        context = token_samples(tokenizer, corpus, 1, args.speed_context + 1, seed=args.seed)[0][1]
+        speed = speed_table(model, specs, context, steps=args.speed_steps, progress=not args.quiet)
+        print()
+        print(speed_markdown(speed))
+        payload["speed"] = speed
+    if args.json:
+        write_json(args.json, payload)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        if plot_sweep(rows, args.plot):
+            print(f"wrote {args.plot}", file=sys.stderr)
+        else:
+            print("no sweep over --max-kv-size or --seq-len: no plot written", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-h2o", description="Bounded-memory LLM inference for MLX / mlx-lm.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval}")
+    policies = sorted(mlx_h2o.POLICIES)
+
+    g = sub.add_parser("generate", help="stream a generation with a chosen KV cache policy")
+    _add_model_args(g)
+    g.add_argument("--prompt", help="the prompt text")
+    g.add_argument("--prompt-file", help="read the prompt from a file")
+    g.add_argument("--system", default=None, help="system prompt (chat models)")
+    g.add_argument("--no-chat-template", action="store_true", help="feed the prompt raw, without the chat template")
+    g.add_argument("--max-tokens", type=_positive_int, default=256)
+    g.add_argument("--cache", default="full", choices=policies, help="KV cache policy")
+    g.add_argument("--max-kv-size", type=_positive_int, default=None, help="KV budget in tokens for bounded policies")
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="perplexity / speed / memory of several policies on identical tokens")
+    _add_model_args(e)
+    e.add_argument("--cache", nargs="+", default=["full", "rotating"], metavar="SPEC", help=f"policies ({', '.join(policies)}), optionally name:key=value,...")
+    e.add_argument("--max-kv-size", nargs="+", type=_positive_int, default=None, metavar="M", help="budgets for bounded policies (one row each)")
+    e.add_argument("--seq-len", nargs="+", type=_positive_int, default=[512], metavar="L")
+    e.add_argument("--samples", type=_positive_int, default=4, help="number of samples, each from a different document")
+    e.add_argument("--prefill", type=_positive_int, default=32, help="tokens prefilled in one call before token-by-token decoding")
+    e.add_argument("--batch-size", type=_positive_int, default=None, help="samples decoded together (default: all)")
+    e.add_argument("--text-files", nargs="+", default=None, help="evaluate on these text files instead of the default corpus")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--speed-context", type=_positive_int, default=None, help="also measure decode speed after a context of this many tokens")
+    e.add_argument("--speed-steps", type=_positive_int, default=64)
+    e.add_argument("--json", default=None, help="write all results to this JSON file")
+    e.add_argument("--plot", default=None, help="write a PNG of ΔPPL vs budget (or length) here")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
+    e.set_defaults(func=cmd_eval)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mlx-h2o {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Measurement harness: perplexity through a cache, decode speed and memory, corpora, reports."""
+
+from .corpus import Corpus, load_corpus, token_samples
+from .memory import kv_bytes, memory_snapshot
+from .perplexity import autoregressive_nll, teacher_forced_nll
+from .speed import decode_benchmark
+
+__all__ = [
+    "Corpus",
+    "autoregressive_nll",
+    "decode_benchmark",
+    "kv_bytes",
+    "load_corpus",
+    "memory_snapshot",
+    "teacher_forced_nll",
+    "token_samples",
+]

@@ -1,0 +1,27 @@
+# Import mlx_h2o before anything imports mlx.core, so its BLAS shim can take effect (see _blas.py).
+import mlx_h2o  # noqa: F401  isort: skip
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2 model (fp32 weights) and tokenizer. In CI its absence is a failure."""
+    try:
+        from mlx_h2o.loading import default_model_path
+
+        default_model_path()
+    except FileNotFoundError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
+    return mlx_h2o.load()
+
+
+@pytest.fixture(scope="session")
+def licence_tokens(smollm):
+    _, tokenizer = smollm
+    with open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8") as f:
+        return tokenizer.encode(f.read())

@@ -1,0 +1,91 @@
+"""Build and runtime plumbing: the extension, its MLX version pin, the BLAS shim, the CLI."""
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_h2o
+from mlx_h2o import _ext
+from mlx_h2o._version_check import check_extension
+
+
+def test_extension_built_against_running_mlx():
+    assert _ext.built_with_mlx.split(".")[:2] == mx.__version__.split(".")[:2]
+    assert _ext.linked_mlx_version() == mx.__version__
+
+
+def test_version_mismatch_is_refused():
+    major, minor = mx.__version__.split(".")[:2]
+    with pytest.raises(ImportError, match="rebuild"):
+        check_extension(f"{major}.{int(minor) + 1}.0")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the shim is Linux-only")
+def test_blas_shim_active_and_exact():
+    assert mlx_h2o.blas_backend().startswith("OpenBLAS"), mlx_h2o.blas_backend()
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((67, 129)), rng.standard_normal((129, 33))
+    for dtype, tol in ((mx.float32, 1e-4), (mx.float16, 2e-2)):
+        got = np.array((mx.array(a).astype(dtype) @ mx.array(b).astype(dtype)).astype(mx.float32))
+        np.testing.assert_allclose(got, a @ b, atol=tol * 10, rtol=tol)
+    got = np.array(mx.array(a.T).T @ mx.array(b))  # transposed operand
+    np.testing.assert_allclose(got, a @ b, atol=1e-3, rtol=1e-4)
+
+
+def test_blas_backend_reports_late_import():
+    code = "import mlx.core, mlx_h2o; print(mlx_h2o.blas_backend())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "imported before mlx_h2o" in out or not sys.platform.startswith("linux")
+
+
+def test_uninitialized_op():
+    a = _ext.uninitialized([3, 5], mx.float16)
+    assert a.shape == (3, 5) and a.dtype == mx.float16
+    # Contents are arbitrary (maybe NaN) until written; a full overwrite makes them defined.
+    a[:] = mx.full((3, 5), 2.0, mx.float16)
+    assert a.sum().item() == 30
+    with pytest.raises(ValueError, match="non-negative"):
+        _ext.uninitialized([-1, 2], mx.float32)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "mlx_h2o", *args], capture_output=True, text=True)
+
+
+def test_cli_help_lists_subcommands():
+    r = _cli("--help")
+    assert r.returncode == 0
+    assert "generate" in r.stdout and "eval" in r.stdout
+
+
+def test_cli_errors_are_clear(tmp_path):
+    r = _cli("generate", "--prompt", "hi", "--max-kv-size", "0")
+    assert r.returncode == 2 and "must be >= 1" in r.stderr
+    r = _cli("generate", "--prompt", "hi", "--cache", "lru")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = _cli("generate", "--prompt-file", str(tmp_path / "missing.txt"))
+    assert r.returncode == 2 and "cannot read --prompt-file" in r.stderr
+    r = _cli("eval", "--text-files", str(tmp_path / "missing.txt"), "--cache", "full")
+    assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_cli_generate_streams_and_reports(smollm):
+    r = _cli("generate", "--prompt", "Name a colour.", "--max-tokens", "12", "--cache", "rotating", "--max-kv-size", "32")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "tokens-per-sec" in r.stderr and "KV cache (rotating): 32 tokens per layer" in r.stderr
+
+
+def test_cli_eval_json(smollm, tmp_path):
+    out = tmp_path / "r.json"
+    r = _cli("eval", "--cache", "full", "rotating", "--max-kv-size", "16", "--seq-len", "48", "--samples", "2",
+             "--json", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "| rotating(M=16) | 48 |" in r.stdout
+    import json
+
+    rows = json.loads(out.read_text())["perplexity"]
+    assert len(rows) == 2 and rows[0]["policy"] == "full"
