@@ -1,0 +1,429 @@
+"""The h2o policy: eviction and scoring against NumPy references, the evicted layout against a
+full cache masked to the kept positions, and mlx-lm integration on tiny models of many architectures."""
+
+import copy
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import cache as lm_cache
+from tiny_models import CONFIGS, tiny_model
+
+import mlx_h2o
+from mlx_h2o import hook
+from mlx_h2o.caches.h2o import H2OConfig, H2OKVCache
+
+VOCAB = CONFIGS["llama"]["vocab_size"]
+
+
+def _h2o_layers(cache):
+    return [c for c in cache if isinstance(c, H2OKVCache)]
+
+
+def _tokens(n, seed=0, batch=None):
+    shape = (n,) if batch is None else (batch, n)
+    return mx.array(np.random.default_rng(seed).integers(0, VOCAB, shape))
+
+
+def _step_logits(model, x, cache, prefill=8):
+    """Last-position logits after a prefill of `prefill` tokens, then after each following token."""
+    out = [model(x[:, :prefill], cache=cache)[:, -1]]
+    mx.eval(out[-1])
+    for i in range(prefill, x.shape[1]):
+        out.append(model(x[:, i : i + 1], cache=cache)[:, -1])
+        mx.eval(out[-1])
+    return np.array(mx.stack(out, axis=1).astype(mx.float32))
+
+
+# ----------------------------------------------------------------------------- NumPy references
+def _np_priority(cfg, acc, pos, offset):
+    if cfg.score == "normalised":
+        return acc / (offset - pos).astype(np.float32)
+    return acc
+
+
+def _np_keep(cfg, acc, pos, offset, L):
+    """The selection rule, written out: positions kept per (b, h) before appending L tokens."""
+    M, e = cfg.max_kv_size, cfg.evict_every
+    P = pos.shape[-1]
+    pinned_old = sum(max(0, min(b, offset) - a) for a, b in cfg.pin)
+    if P + L <= M + e - 1 + pinned_old:
+        return pos
+    target = M - min(L, e)
+    keep = min(P - pinned_old, target) + pinned_old
+    if keep >= P:
+        return pos
+    recent_old = max(target - cfg.sink - cfg.heavy, 0)
+    prio = _np_priority(cfg, acc, pos, offset)
+    protected = (pos < cfg.sink) | (pos >= offset - recent_old)
+    for a, b in cfg.pin:
+        protected |= (pos >= a) & (pos < b)
+    if cfg.select == "layer":
+        prio = np.broadcast_to(prio.sum(axis=1, keepdims=True), prio.shape)
+    out = np.empty(pos.shape[:2] + (keep,), pos.dtype)
+    for b in range(pos.shape[0]):
+        for h in range(pos.shape[1]):
+            order = sorted(range(P), key=lambda j: (not protected[b, h, j], -prio[b, h, j]))
+            out[b, h] = np.sort(pos[b, h, order[:keep]])
+    return out
+
+
+def _np_attention(q, k, v, scale, sinks=None):
+    """float64 causal attention (row i at N - L + i): output and per-row probabilities."""
+    B, Hq, L, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    kk, vv = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    logits = np.einsum("bhld,bhnd->bhln", q, kk) * scale
+    allowed = np.arange(N)[None, :] <= np.arange(N - L, N)[:, None]
+    logits = np.where(allowed, logits, -np.inf)
+    if sinks is not None:
+        logits = np.concatenate([np.broadcast_to(sinks[None, :, None, None], (B, Hq, L, 1)), logits], axis=-1)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., 1:]
+    return np.einsum("bhln,bhnd->bhld", p, vv), p, np.where(allowed, logits[..., -N:], -np.inf)
+
+
+def _np_update(cfg, acc, q, k, v, scale, L, w, pool):
+    B, Hq, _, _ = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    rows = slice(L - w, L) if (w and L > w) else slice(0, L)
+    n_rows = rows.stop - rows.start
+    out, p, logits = _np_attention(q, k, v, scale)
+    if cfg.score == "logit_ema":
+        lg = logits[:, :, rows]
+        stats = np.where(np.isfinite(lg), np.abs(lg), 0).mean(axis=2).reshape(B, Hkv, G, N).mean(axis=2)
+    else:
+        stats = p[:, :, rows].sum(axis=2).reshape(B, Hkv, G, N).sum(axis=2) / n_rows
+    if w and L > w and pool > 1:
+        left = (pool - 1) // 2
+        padded = np.pad(stats, [(0, 0), (0, 0), (left, pool - 1 - left)], constant_values=-np.inf)
+        stats = np.max([padded[..., i : i + N] for i in range(pool)], axis=0)
+    live = N - (n_rows - 1) / 2
+    decay = 0.95 if cfg.decay is None else cfg.decay
+    if cfg.score == "cumulative":
+        new = acc + L * stats
+    elif cfg.score == "normalised":
+        new = acc + L * live * stats
+    else:
+        new = decay**L * acc + (1 - decay**L) * stats
+    return out, new
+
+
+SCHEDULE = [5] + [1] * 40 + [7] + [1] * 25 + [12] + [1] * 10
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(score="cumulative"),
+        dict(score="ema", evict_every=4),
+        dict(score="normalised", select="layer"),
+        dict(score="logit_ema", decay=0.8),
+        dict(score="normalised", evict_every=3, pin=[(6, 9), (20, 22)]),
+        dict(score="ema", obs_window=3, obs_pool=3, split="balanced"),
+        dict(score="cumulative", split="explicit", sink=2, heavy=9, recent=5),
+    ],
+)
+def test_eviction_and_scores_match_numpy_reference(options):
+    cfg = H2OConfig.build(16, **options)
+    cache = H2OKVCache(cfg)
+    rng = np.random.default_rng(sum(map(ord, repr(options))))
+    B, Hkv, G, D = 2, 2, 3, 8
+    scale = D**-0.5
+    ref_keys = {}  # (b, h, position) -> key vector
+    evicted = 0
+    for L in SCHEDULE:
+        before = (np.array(cache.acc[..., : cache.length]), np.array(cache.positions[..., : cache.length])) if cache.length else None
+        k = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
+        v = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
+        offset = cache.offset
+        keys, values = cache.update_and_fetch(mx.array(k), mx.array(v))
+        pos = np.array(cache.positions[..., : cache.length])
+        new = np.broadcast_to(np.arange(offset, offset + L), (B, Hkv, L))
+        if before is not None:
+            kept = _np_keep(cfg, *before, offset, L)
+            evicted += kept.shape[-1] < before[1].shape[-1]
+            np.testing.assert_array_equal(pos, np.concatenate([kept, new], axis=-1))
+        assert cache.length <= cfg.max_kv_size + cfg.evict_every - 1 + cfg.pinned_before(cache.offset) or L > 1
+        for b in range(B):
+            for h in range(Hkv):
+                for j in range(L):
+                    ref_keys[b, h, offset + j] = k[b, h, j]
+        kk = np.array(keys)
+        for b in range(B):
+            for h in range(Hkv):
+                np.testing.assert_array_equal(kk[b, h], np.stack([ref_keys[b, h, p] for p in pos[b, h]]))
+        q = rng.standard_normal((B, Hkv * G, L, D)).astype(np.float32)
+        acc = np.array(cache.acc[..., : cache.length])
+        out = cache.attend(mx.array(q), keys, values, scale=scale, mask="causal" if L > 1 else None)
+        ref_out, ref_acc = _np_update(cfg, acc, q, kk, np.array(values), scale, L, cfg.obs_window, cfg.obs_pool)
+        np.testing.assert_allclose(np.array(out), ref_out, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.array(cache.acc[..., : cache.length]), ref_acc, rtol=2e-4, atol=1e-6)
+    assert evicted > 10
+    for a, b in cfg.pin:
+        assert all(set(range(a, b)) <= set(row) for row in np.array(cache.positions[..., : cache.length]).reshape(-1, cache.length))
+
+
+# ----------------------------------------------------------------------------- the evicted layout
+class KeptPositionsReference(lm_cache.KVCache):
+    """A full cache whose attention is masked to the positions its twin h2o cache holds: what the
+    h2o layer must compute if keys, values, RoPE positions and the mask are all right."""
+
+    def __init__(self, twin):
+        super().__init__()
+        self.twin = twin
+
+    def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        N, L = keys.shape[2], queries.shape[2]
+        held = self.twin.positions[..., : self.twin.length]  # (B, Hc, n)
+        held = (mx.arange(N)[None, None, :, None] == held[:, :, None, :]).any(axis=-1)  # (B, Hc, N)
+        allowed = held[:, :, None, :] & (mx.arange(N)[None, :] <= mx.arange(N - L, N)[:, None])
+        allowed = mx.repeat(allowed, queries.shape[1] // allowed.shape[1], axis=1)
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            allowed = mx.where(allowed, mask, -mx.inf)  # MLA: the mask carries the RoPE part of the logits
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=allowed, sinks=sinks)
+
+
+class SeedOffsetBug(H2OKVCache):
+    """The MLX seed's bug: the logical offset reset to the physical length after eviction."""
+
+    def _evict(self, keep, capacity):
+        super()._evict(keep, capacity)
+        self.offset = self.length
+
+
+def _lockstep(model, x, cache, prefill=8, chunk_at=()):
+    """Run the h2o cache and its masked full-cache twin side by side; max |logit difference|."""
+    ref = [KeptPositionsReference(c) if isinstance(c, H2OKVCache) else copy.deepcopy(c) for c in cache]
+    worst, i = 0.0, prefill
+    a, b = model(x[:, :prefill], cache=cache), model(x[:, :prefill], cache=ref)
+    while i < x.shape[1]:
+        worst = max(worst, float(mx.abs(a[:, -1] - b[:, -1]).max()))
+        n = 6 if i in chunk_at else 1
+        a = model(x[:, i : i + n], cache=cache)
+        mx.eval(a)
+        b = model(x[:, i : i + n], cache=ref)
+        worst = max(worst, float(mx.abs(a - b).max()))
+        i += n
+    return worst
+
+
+def test_evicted_layout_equals_full_cache_masked_to_kept_positions():
+    model = tiny_model("llama")
+    x = _tokens(140, seed=3, batch=2)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, evict_every=3)
+    # Multi-row calls after eviction exercise the causal mask over the evicted layout.
+    assert _lockstep(model, x, cache, chunk_at=(60, 100)) < 1e-4
+    c = cache[0]
+    assert c.offset == 140 and c.length <= 24 + 2 and c.evictions > 10
+
+
+def test_seed_offset_reset_bug_cannot_happen():
+    model = tiny_model("llama")
+    x = _tokens(100, seed=4, batch=1)
+    cfg = H2OConfig.build(24)
+    cache = [H2OKVCache(cfg) for _ in model.layers]
+    assert _lockstep(model, x, cache) < 1e-4
+    for c in cache:
+        assert c.offset == 100 and c.size() == 24  # logical position vs physical length
+        assert c.make_mask(4, return_array=True).shape == (4, c._planned_length(4) + 4)
+    # The same check catches the seed's bug: its offset falls back to the physical length.
+    buggy = [SeedOffsetBug(cfg) for _ in model.layers]
+    assert _lockstep(model, x, buggy) > 1e-2
+
+
+@pytest.mark.parametrize("select", ["head", "layer"])
+def test_batch_sequences_are_evicted_independently(select):
+    model = tiny_model("qwen3")
+    x = _tokens(120, seed=5, batch=3)
+    opts = dict(max_kv_size=20, select=select, evict_every=2)
+    batched = _step_logits(model, x, mlx_h2o.make_cache(model, "h2o", **opts))
+    for b in range(3):
+        alone = _step_logits(model, x[b : b + 1], mlx_h2o.make_cache(model, "h2o", **opts))
+        np.testing.assert_allclose(batched[b : b + 1], alone, atol=1e-4)
+
+
+def test_shared_selection_keeps_one_set_per_layer():
+    model = tiny_model("llama")
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=20, select="layer")
+    _step_logits(model, _tokens(80, batch=2), cache)
+    for c in cache:
+        pos = np.array(c.positions[..., : c.length])
+        assert (pos == pos[:, :1]).all()
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=20)
+    _step_logits(model, _tokens(80, batch=2), cache)
+    assert any((np.array(c.positions[..., : c.length]) != np.array(c.positions[:, :1, : c.length])).any() for c in cache)
+
+
+# ----------------------------------------------------------------------------- architectures
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_architecture_generates_with_bounded_cache(arch):
+    model = tiny_model(arch)
+    M, e = 64, 1
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=e)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens = [t for t, _ in generate_step(_tokens(20, seed=1), model, max_tokens=300, prompt_cache=cache)]
+    assert len(tokens) == 300
+    layers = _h2o_layers(cache)
+    assert layers and all(c.peak <= M + e - 1 and c.size() <= M and c.evictions > 0 for c in layers)
+    assert all(c.offset >= 20 + 299 for c in layers)  # generate_step runs one step ahead
+    # Sliding-window layers keep their own cache.
+    kinds = {type(c).__name__ for c in cache}
+    assert kinds == ({"H2OKVCache", "RotatingKVCache"} if arch in ("gemma3", "gpt_oss") else {"H2OKVCache"})
+    inline = arch == "gemma2"  # mlx-lm's gemma2 attends inline: no scores, a warned fallback
+    assert all(c.scoreless == inline for c in layers)
+    assert any("no attention scores" in str(w.message) for w in caught) == inline
+
+    # Nothing evicted (M >= length): the same logits as the model's own cache.
+    x = _tokens(70, seed=2, batch=2)
+    full = _step_logits(model, x, mlx_h2o.make_cache(model, "full"))
+    h2o = _step_logits(model, x, mlx_h2o.make_cache(model, "h2o", max_kv_size=128))
+    np.testing.assert_allclose(h2o, full, atol=1e-4 * max(1.0, np.abs(full).max()))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss", "gemma3"])
+def test_mla_sinks_and_sliding_layers_match_masked_reference(arch):
+    model = tiny_model(arch)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=20, evict_every=2)
+    assert _lockstep(model, _tokens(80, seed=6, batch=2), cache, chunk_at=(40,)) < 1e-4
+    assert all(c.evictions > 10 for c in _h2o_layers(cache))
+
+
+def test_long_prompt_prefilled_in_chunks_stays_bounded():
+    # The bound holds from the second chunk on, whatever the length (benchmarks/bench_h2o.py runs 32K).
+    model = tiny_model("llama")
+    M, chunk, n = 64, 256, 8192
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M)
+    prompt = _tokens(n, seed=7)
+    steps = generate_step(prompt, model, max_tokens=4, prompt_cache=cache, prefill_step_size=chunk)
+    assert len(list(steps)) == 4
+    for c in _h2o_layers(cache):
+        assert c.offset >= n + 3 and M + chunk - 1 <= c.peak <= M + chunk and c.size() <= M
+
+
+def test_pinned_spans_are_never_evicted():
+    model = tiny_model("llama")
+    M, e, span = 24, 4, (3, 13)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=e, pin=[span])
+    _step_logits(model, _tokens(150, seed=8, batch=2), cache)
+    for c in cache:
+        pos = np.array(c.positions[..., : c.length])
+        assert all(set(range(*span)) <= set(row) for row in pos.reshape(-1, c.length))
+        assert c.peak <= M + e - 1 + (span[1] - span[0])
+    assert mlx_h2o.make_cache(model, "h2o", max_kv_size=M, pin="3:13;40:50")[0].config.pin == ((3, 13), (40, 50))
+
+
+def test_reset_trim_and_hook():
+    model = tiny_model("llama")
+    x = _tokens(60, seed=9, batch=1)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=16)
+    assert hook.installed()
+    first = _step_logits(model, x, cache)
+    for c in cache:
+        c.reset()
+        assert c.empty() and c.offset == 0 and c.size() == 0
+    np.testing.assert_array_equal(_step_logits(model, x, cache), first)
+    # Trim the last 3 tokens (held: they are in the recent window); a longer trim stops where the
+    # held tail of consecutive positions ends.
+    c0 = cache[0]
+    assert c0.is_trimmable() and [c.trim(3) for c in cache] == [3, 3] and c0.offset == 57
+    pos = np.array(c0.positions[..., : c0.length])
+    assert pos.max() == 56 and c0.length == 13
+    run = next(k for k in range(1, 14) if not (pos[..., -k:] == np.arange(57 - k, 57)).all()) - 1
+    assert c0.trim(100) == run and c0.offset == 57 - run and c0.length == 13 - run
+    # With the hook removed the model never reaches attend(): the cache says so and falls back.
+    hook.remove()
+    try:
+        cache = mlx_h2o.make_cache(model, "rotating", max_kv_size=16)
+        assert not hook.installed()  # other policies do not install it
+        fallback = [H2OKVCache(H2OConfig.build(16)) for _ in model.layers]
+        with pytest.warns(RuntimeWarning, match="no attention scores"):
+            _step_logits(model, x, fallback)
+        assert all(c.scoreless for c in fallback)
+    finally:
+        hook.install()
+    # The hook is a no-op for other caches.
+    full_hooked = _step_logits(model, x, mlx_h2o.make_cache(model, "full"))
+    hook.remove()
+    full_plain = _step_logits(model, x, mlx_h2o.make_cache(model, "full"))
+    hook.install()
+    np.testing.assert_array_equal(full_hooked, full_plain)
+
+
+def test_save_load_round_trip_reproduces_generation(tmp_path):
+    model = tiny_model("llama")
+    prompt = _tokens(40, seed=10)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, evict_every=4, score="ema", pin=[(2, 5)])
+    last = None
+    for last, _ in generate_step(prompt, model, max_tokens=20, prompt_cache=cache):
+        pass
+    path = str(tmp_path / "h2o.safetensors")
+    lm_cache.save_prompt_cache(path, cache, metadata={"note": "h2o"})
+    hook.remove()
+    loaded, meta = lm_cache.load_prompt_cache(path, return_metadata=True)
+    assert hook.installed() and meta == {"note": "h2o"}
+    assert [type(c) for c in loaded] == [H2OKVCache] * len(cache)
+    for a, b in zip(cache, loaded):
+        assert (a.offset, a.length, a.config) == (b.offset, b.length, b.config)
+
+    def continue_from(c):
+        y = mx.array([last])
+        out = []
+        for _ in range(30):
+            logits = model(y[None], cache=c)[0, -1]
+            y = mx.argmax(logits, keepdims=True)
+            out.append(np.array(logits))
+        return np.stack(out)
+
+    np.testing.assert_array_equal(continue_from(loaded), continue_from(cache))
+
+
+def test_mlx_lm_batch_generator_gets_a_clear_error():
+    model = tiny_model("llama")
+    caches = [mlx_h2o.make_cache(model, "h2o", max_kv_size=16) for _ in range(2)]
+    with pytest.raises(ValueError, match="BatchGenerator"):
+        H2OKVCache.merge([c[0] for c in caches])
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(split="wide"), r"split must be one of \['heavy', 'balanced', 'recent', 'explicit'\]"),
+        (dict(score="lru"), r"score must be one of \['cumulative', 'ema', 'logit_ema', 'normalised'\]"),
+        (dict(select="token"), r"select must be one of \['head', 'layer'\]"),
+        (dict(evict_every=0), r"evict_every must be an integer in \[1, 60\]"),
+        (dict(sink=64), r"sink must be an integer in \[0, 63\]"),
+        (dict(split="explicit", heavy=10), "split='explicit' needs heavy and recent"),
+        (dict(split="explicit", heavy=10, recent=10), "sink \\+ heavy \\+ recent must equal max_kv_size=64"),
+        (dict(heavy=10), "give split='explicit'"),
+        (dict(score="cumulative", decay=0.9), "decay applies to score in"),
+        (dict(score="ema", decay=1.5), r"decay must be a number in \[0, 1\)"),
+        (dict(pin=[(5, 2)]), "pin must be"),
+        (dict(pin="a:b"), "pin must be START:END"),
+        (dict(obs_window=-1), "obs_window must be"),
+        (dict(budget=3), r"unknown h2o options \['budget'\]; allowed: \["),
+        (dict(max_kv_size=0), "max_kv_size must be an integer >= 1"),
+    ],
+)
+def test_bad_options_raise_value_error(options, match):
+    model = tiny_model("llama")
+    options = {"max_kv_size": 64, **options}
+    with pytest.raises(ValueError, match=match):
+        mlx_h2o.make_cache(model, "h2o", **options)
+
+
+def test_eval_spec_and_presets():
+    from mlx_h2o.evaluation.runner import parse_specs
+
+    spec = parse_specs(["h2o:score=ema,split=balanced"], [128])[0]
+    assert spec.options == {"max_kv_size": 128, "score": "ema", "split": "balanced"}
+    cfg = H2OConfig.build(256)
+    assert (cfg.sink, cfg.heavy, cfg.recent) == (4, 128, 124)
+    assert (H2OConfig.build(256, split="balanced").heavy, H2OConfig.build(256, split="recent").heavy) == (64, 32)
