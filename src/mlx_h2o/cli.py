@@ -2,6 +2,8 @@
 
     mlx-h2o generate --prompt "..." --cache rotating --max-kv-size 256
     mlx-h2o eval --cache full rotating --max-kv-size 128 256 512 --seq-len 2048 --samples 4
+    mlx-h2o generate --prompt "..." --cache h2o --max-kv-size 256 --h2o-split heavy --h2o-score ema
+    mlx-h2o eval --cache full rotating h2o h2o:score=ema,select=layer --max-kv-size 128 256
 """
 
 import argparse
@@ -29,8 +31,60 @@ def _positive_int(text):
     return value
 
 
+# --h2o-* flags -> h2o policy options (see caches/h2o.py); None means "policy default".
+_H2O_FLAGS = ("split", "score", "select", "sink", "heavy", "recent", "decay", "evict_every", "obs_window", "pin")
+
+
+def _add_h2o_args(p):
+    from .caches.h2o import SELECTIONS, SPLITS
+    from .caches.scoring import SCORE_RULES
+
+    h = p.add_argument_group("h2o policy (--cache h2o)")
+    h.add_argument("--h2o-split", choices=SPLITS, help="budget split preset: heavy (heavy=M/2, default), balanced (M/4), recent (M/8), explicit (give --h2o-heavy/--h2o-recent)")
+    h.add_argument("--h2o-score", choices=sorted(SCORE_RULES), help="scoring rule (default: normalised)")
+    h.add_argument("--h2o-select", choices=SELECTIONS, help="keep a set per kv head (default) or one per layer")
+    h.add_argument("--h2o-sink", type=int, help="first tokens always kept (default 4)")
+    h.add_argument("--h2o-heavy", type=int, help="heavy-hitter slots (with --h2o-split explicit)")
+    h.add_argument("--h2o-recent", type=int, help="recent-window slots (with --h2o-split explicit)")
+    h.add_argument("--h2o-decay", type=float, help="decay of the ema / logit_ema rules (default 0.95)")
+    h.add_argument("--h2o-evict-every", type=_positive_int, help="evict every N tokens: peak M + N - 1 entries, one gather per N tokens")
+    h.add_argument("--h2o-obs-window", type=int, help="score a prompt by what its last N tokens attend to (SnapKV-style; 0 = off)")
+    h.add_argument("--h2o-pin", nargs="+", metavar="START:END", help="token ranges never evicted (outside the budget)")
+
+
+def _h2o_options(args) -> dict:
+    opts = {k: getattr(args, f"h2o_{k}") for k in _H2O_FLAGS if getattr(args, f"h2o_{k}", None) is not None}
+    if "pin" in opts:
+        opts["pin"] = ";".join(opts["pin"])
+    return opts
+
+
 def _cache_options(args) -> dict:
-    return {"max_kv_size": args.max_kv_size} if args.max_kv_size is not None else {}
+    opts = {"max_kv_size": args.max_kv_size} if args.max_kv_size is not None else {}
+    h2o = _h2o_options(args)
+    if h2o and args.cache != "h2o":
+        raise ValueError(f"--h2o-* options apply to --cache h2o, not --cache {args.cache}")
+    return {**opts, **h2o}
+
+
+def _with_h2o_flags(specs, args):
+    """Apply the --h2o-* flags to every h2o spec; options written in a spec win."""
+    h2o = _h2o_options(args)
+    for spec in specs:
+        if spec.policy == "h2o" and h2o:
+            m = {"max_kv_size": spec.options["max_kv_size"]} if "max_kv_size" in spec.options else {}
+            spec.options = {**m, **h2o, **spec.options}
+    return specs
+
+
+def _system_prompt_tokens(tokenizer, system) -> int:
+    """Tokens the chat template spends on the system message (the prefix a system-only chat shares)."""
+    full = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": "x"}])
+    alone = tokenizer.apply_chat_template([{"role": "system", "content": system}])
+    n = 0
+    while n < min(len(full), len(alone)) and full[n] == alone[n]:
+        n += 1
+    return n
 
 
 def cmd_generate(args) -> int:
@@ -45,15 +99,22 @@ def cmd_generate(args) -> int:
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read --prompt-file {args.prompt_file!r}: {e}") from None
+    options = _cache_options(args)
     model, tokenizer = mlx_h2o.load(args.model, weights=args.weights)
-    cache = mlx_h2o.make_cache(model, args.cache, **_cache_options(args))
+    if args.h2o_pin_system:
+        if args.cache != "h2o" or not args.system or not tokenizer.has_chat_template or args.no_chat_template:
+            raise ValueError("--h2o-pin-system needs --cache h2o, --system and the chat template")
+        span = f"0:{_system_prompt_tokens(tokenizer, args.system)}"
+        options["pin"] = ";".join(filter(None, [options.get("pin"), span]))
+    cache = mlx_h2o.make_cache(model, args.cache, **options)
     if tokenizer.has_chat_template and not args.no_chat_template:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
         prompt = tokenizer.encode(prompt)
     response = None
-    for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, prompt_cache=cache):
+    kwargs = {"prefill_step_size": args.prefill_step_size} if args.prefill_step_size else {}
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, prompt_cache=cache, **kwargs):
         print(response.text, end="", flush=True)
     print(flush=True)
     if response is None:
@@ -75,7 +136,7 @@ def cmd_eval(args) -> int:
     from .evaluation.report import perplexity_markdown, plot_sweep, speed_markdown, write_json
     from .evaluation.runner import parse_specs, perplexity_table, speed_table
 
-    specs = parse_specs(args.cache, args.max_kv_size or ())
+    specs = _with_h2o_flags(parse_specs(args.cache, args.max_kv_size or ()), args)
     corpus = load_corpus(args.text_files)
     print(f"corpus: {corpus.name}", file=sys.stderr)
     print(f"BLAS: {mlx_h2o.blas_backend()}", file=sys.stderr)
@@ -104,9 +165,28 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_passkey(args) -> int:
+    from .evaluation import load_corpus
+    from .evaluation.passkey import passkey_markdown, passkey_trials, run_passkey
+    from .evaluation.report import write_json
+    from .evaluation.runner import parse_specs
+
+    if not 0.0 < args.budget <= 1.0:
+        raise ValueError(f"--budget must be a fraction in (0, 1], got {args.budget}")
+    specs = _with_h2o_flags(parse_specs(args.cache, [max(1, int(args.context * args.budget))]), args)
+    model, tokenizer = mlx_h2o.load(args.model, weights=args.weights)
+    trials = passkey_trials(tokenizer, load_corpus(args.text_files), args.context, args.depths, args.per_depth, seed=args.seed)
+    rows = run_passkey(model, tokenizer, specs, trials, prefill_step_size=args.prefill_step_size, progress=not args.quiet)
+    print(passkey_markdown(rows))
+    if args.json:
+        write_json(args.json, {"context": args.context, "budget": args.budget, "passkey": rows})
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-h2o", description="Bounded-memory LLM inference for MLX / mlx-lm.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval,passkey}")
     policies = sorted(mlx_h2o.POLICIES)
 
     g = sub.add_parser("generate", help="stream a generation with a chosen KV cache policy")
@@ -118,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=_positive_int, default=256)
     g.add_argument("--cache", default="full", choices=policies, help="KV cache policy")
     g.add_argument("--max-kv-size", type=_positive_int, default=None, help="KV budget in tokens for bounded policies")
+    g.add_argument("--prefill-step-size", type=_positive_int, default=None, help="prefill the prompt in chunks of this many tokens (mlx-lm default 2048); the h2o cache evicts between chunks")
+    _add_h2o_args(g)
+    g.add_argument("--h2o-pin-system", action="store_true", help="pin the system prompt's tokens (never evicted)")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="perplexity / speed / memory of several policies on identical tokens")
@@ -135,7 +218,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None, help="write all results to this JSON file")
     e.add_argument("--plot", default=None, help="write a PNG of ΔPPL vs budget (or length) here")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_h2o_args(e)
     e.set_defaults(func=cmd_eval)
+
+    k = sub.add_parser("passkey", help="passkey retrieval: a number hidden in real text, asked for at the end")
+    _add_model_args(k)
+    k.add_argument("--cache", nargs="+", default=["full", "rotating", "h2o"], metavar="SPEC", help="policies, optionally name:key=value,...")
+    k.add_argument("--context", type=_positive_int, default=1024, help="prompt length in tokens")
+    k.add_argument("--budget", type=float, default=0.25, help="KV budget of bounded policies as a fraction of --context")
+    k.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.3, 0.5, 0.7, 0.9], help="needle depths (0 = start, 1 = end)")
+    k.add_argument("--per-depth", type=_positive_int, default=3, help="trials per depth, each from another document")
+    k.add_argument("--prefill-step-size", type=_positive_int, default=None, help="prefill chunk (default: the whole prompt in one call)")
+    k.add_argument("--text-files", nargs="+", default=None, help="haystacks from these text files instead of the default corpus")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--json", default=None)
+    k.add_argument("--quiet", action="store_true")
+    _add_h2o_args(k)
+    k.set_defaults(func=cmd_passkey)
     return parser
 
 

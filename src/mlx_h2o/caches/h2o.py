@@ -303,15 +303,14 @@ class H2OKVCache(lm_cache._BaseCache):
             priority = self.rule.priority(self.acc[..., :n], pos, self.offset)
         idx = select_entries(priority, self._protected(pos, keep), keep, self.config.select == "layer")
         idx = mx.broadcast_to(idx, (*self.keys.shape[:2], keep))
-
-        def gather(buf):
-            kept = mx.take_along_axis(buf[..., :n, :], idx[..., None], axis=2) if buf.ndim == 4 else mx.take_along_axis(buf[..., :n], idx, axis=2)
-            pad = list(kept.shape)
-            pad[2] = capacity - keep
-            return mx.concatenate([kept, mx.zeros(pad, kept.dtype)], axis=2) if pad[2] else kept
-
-        self.keys, self.values = gather(self.keys), gather(self.values)
-        self.acc, self.positions = gather(self.acc), gather(self.positions)
+        if capacity > keep:
+            # Gather straight into a buffer with room for the next appends (the spare slots hold
+            # copies of entry 0 until overwritten; nothing reads past `length`).
+            idx = mx.concatenate([idx, mx.zeros((*idx.shape[:2], capacity - keep), idx.dtype)], axis=2)
+        self.keys = mx.take_along_axis(self.keys[..., :n, :], idx[..., None], axis=2)
+        self.values = mx.take_along_axis(self.values[..., :n, :], idx[..., None], axis=2)
+        self.acc = mx.take_along_axis(self.acc[..., :n], idx, axis=2)
+        self.positions = mx.take_along_axis(self.positions[..., :n], idx, axis=2)
         self.length = keep
         self.evictions += 1
 
