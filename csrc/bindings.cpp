@@ -6,9 +6,11 @@
 #include <nanobind/stl/vector.h>
 
 #include "mlx/ops.h"
-
 #include "mlx/version.h"
 
+#include "kernels/attention_problem.h"
+#include "parallel.h"
+#include "scaled_dot_product_attention_with_scores.h"
 #include "uninitialized.h"
 
 namespace nb = nanobind;
@@ -20,6 +22,9 @@ NB_MODULE(_ext, m) {
   m.attr("built_with_mlx") = MLX_H2O_BUILT_WITH_MLX;
   m.def("linked_mlx_version", []() { return std::string(mlx::core::version()); },
         "Version string of the libmlx this extension is running against.");
+  m.def("kernel_isa", []() { return std::string(mlx_h2o::attention_cpu_isa()); },
+        "The instruction-set variant of the CPU kernels in use on this machine.");
+  m.def("kernel_threads", &mlx_h2o::kernel_threads, "Threads the CPU kernels use (MLX_H2O_NUM_THREADS).");
 
   m.def(
       "uninitialized",
@@ -29,4 +34,12 @@ NB_MODULE(_ext, m) {
       },
       "shape"_a, "dtype"_a, nb::kw_only(), "stream"_a = nb::none(),
       "Allocate an array without initialising it (pages are committed on first write).");
+
+  m.def("scaled_dot_product_attention_with_scores", &mlx_h2o::scaled_dot_product_attention_with_scores, "q"_a,
+        "k"_a, "v"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(),
+        "stream"_a = nb::none(),
+        "Fused attention + scores (see mlx_h2o.scaled_dot_product_attention_with_scores for the Python API).");
+  m.def("attention_with_scores_composed", &mlx_h2o::attention_with_scores_composed, "q"_a, "k"_a, "v"_a, "scale"_a,
+        "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "stream"_a = nb::none(),
+        "The same computation from stock MLX ops (the fallback off the CPU).");
 }

@@ -16,7 +16,15 @@ check_extension(_ext.built_with_mlx)
 
 from .attention import scaled_dot_product_attention_with_scores  # noqa: E402
 from .caches import POLICIES, make_cache  # noqa: E402
+from .hook import use_fast_cpu_attention  # noqa: E402
 from .loading import load  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["blas_backend", "load", "make_cache", "POLICIES", "scaled_dot_product_attention_with_scores"]
+__all__ = [
+    "blas_backend",
+    "load",
+    "make_cache",
+    "POLICIES",
+    "scaled_dot_product_attention_with_scores",
+    "use_fast_cpu_attention",
+]

@@ -16,6 +16,8 @@ import types
 import mlx.core as mx
 from mlx_lm.models import base as _base
 
+from .attention import scaled_dot_product_attention_with_scores
+
 _target = _base.scaled_dot_product_attention
 _original_code = _target.__code__
 # A callable copy of mlx-lm's original function, immune to the code swap.
@@ -31,10 +33,8 @@ def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
     attend = getattr(cache, "attend", None)
     if attend is not None:
         return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    if _fast_cpu_attention and sinks is None and not hasattr(cache, "bits") and mx.default_device() == mx.cpu:
-        from .attention import scaled_dot_product_attention_with_scores
-
-        return scaled_dot_product_attention_with_scores(queries, keys, values, scale=scale, mask=mask, scores=None)[0]
+    if _fast_cpu_attention and not hasattr(cache, "bits") and mx.default_device() == mx.cpu:
+        return scaled_dot_product_attention_with_scores(queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks)[0]
     return _original(queries, keys, values, cache, scale, mask, sinks)
 
 
@@ -54,8 +54,13 @@ def installed() -> bool:
 
 
 def use_fast_cpu_attention(enabled: bool = True) -> None:
-    """Opt in (or out) to the fused CPU kernel as the attention of every mlx-lm model on CPU streams."""
+    """Opt in (or out) to the fused CPU kernel as the attention of every mlx-lm model on CPU streams
+    (dense caches; mlx-lm's quantized caches keep their own path)."""
     global _fast_cpu_attention
     _fast_cpu_attention = bool(enabled)
     if enabled:
         install()
+
+
+def fast_cpu_attention_enabled() -> bool:
+    return _fast_cpu_attention and installed()
