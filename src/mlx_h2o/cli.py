@@ -17,6 +17,7 @@ import mlx.core as mx  # noqa: E402
 def _add_model_args(p):
     p.add_argument("--model", default=None, help="a .gguf file or an mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--weights", default=None, choices=["float32", "bfloat16", "float16", "quantized"], help="GGUF weights: dequantized dtype or packed (default: float32 on CPU)")
+    p.add_argument("--attention", default="fused", choices=["fused", "stock"], help="attention on CPU: mlx-h2o's fused kernel (default) or mlx-lm's stock path")
 
 
 def _positive_int(text):
@@ -33,6 +34,19 @@ def _cache_options(args) -> dict:
     return {"max_kv_size": args.max_kv_size} if args.max_kv_size is not None else {}
 
 
+def _attention_desc() -> str:
+    from .hook import fast_cpu_attention_enabled
+
+    if fast_cpu_attention_enabled() and mx.default_device() == mx.cpu:
+        return f"fused CPU kernel ({mlx_h2o._ext.kernel_isa()}, {mlx_h2o._ext.kernel_threads()} threads)"
+    return "mlx-lm stock"
+
+
+def _load(args):
+    mlx_h2o.use_fast_cpu_attention(args.attention == "fused")
+    return mlx_h2o.load(args.model, weights=args.weights)
+
+
 def cmd_generate(args) -> int:
     from mlx_lm import stream_generate
 
@@ -45,7 +59,7 @@ def cmd_generate(args) -> int:
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read --prompt-file {args.prompt_file!r}: {e}") from None
-    model, tokenizer = mlx_h2o.load(args.model, weights=args.weights)
+    model, tokenizer = _load(args)
     cache = mlx_h2o.make_cache(model, args.cache, **_cache_options(args))
     if tokenizer.has_chat_template and not args.no_chat_template:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
@@ -66,7 +80,7 @@ def cmd_generate(args) -> int:
     print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec", file=sys.stderr)
     print(f"Peak memory: {response.peak_memory:.3f} GB", file=sys.stderr)
     print(f"KV cache ({args.cache}): {tokens} tokens per layer, {kv / 2**20:.2f} MiB in {len(cache)} layers", file=sys.stderr)
-    print(f"BLAS: {mlx_h2o.blas_backend()}", file=sys.stderr)
+    print(f"BLAS: {mlx_h2o.blas_backend()}; attention: {_attention_desc()}", file=sys.stderr)
     return 0
 
 
@@ -79,14 +93,15 @@ def cmd_eval(args) -> int:
     corpus = load_corpus(args.text_files)
     print(f"corpus: {corpus.name}", file=sys.stderr)
     print(f"BLAS: {mlx_h2o.blas_backend()}", file=sys.stderr)
-    model, tokenizer = mlx_h2o.load(args.model, weights=args.weights)
+    model, tokenizer = _load(args)
+    print(f"attention: {_attention_desc()}", file=sys.stderr)
     rows = []
     for seq_len in args.seq_len:
         samples = token_samples(tokenizer, corpus, args.samples, seq_len, seed=args.seed)
         print(f"seq {seq_len}: samples from " + ", ".join(os.path.basename(s[0]) for s in samples), file=sys.stderr)
         rows += perplexity_table(model, specs, samples, prefill=args.prefill, batch_size=args.batch_size, progress=not args.quiet)
     print(perplexity_markdown(rows))
-    payload = {"corpus": corpus.name, "blas": mlx_h2o.blas_backend(), "perplexity": rows}
+    payload = {"corpus": corpus.name, "blas": mlx_h2o.blas_backend(), "attention": _attention_desc(), "perplexity": rows}
     if args.speed_context:
         context = token_samples(tokenizer, corpus, 1, args.speed_context + 1, seed=args.seed)[0][1]
         speed = speed_table(model, specs, context, steps=args.speed_steps, progress=not args.quiet)

@@ -1,0 +1,74 @@
+"""The opt-in fused CPU attention for every mlx-lm model: same logits as mlx-lm's stock attention."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as lm_cache
+
+import mlx_h2o
+from mlx_h2o import hook
+
+
+def _tiny(model_type, **extra):
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    base = dict(
+        model_type=model_type, hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=101, head_dim=16, rope_theta=10000.0,
+        max_position_embeddings=512, tie_word_embeddings=True,
+    )
+    base.update(extra)
+    args = module.ModelArgs.from_dict(base)
+    mx.random.seed(0)
+    model = module.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _logits(model, tokens, fused):
+    mlx_h2o.use_fast_cpu_attention(fused)
+    try:
+        cache = lm_cache.make_prompt_cache(model)
+        x = mx.array(tokens)[None]
+        outs = [model(x[:, :20], cache=cache)]  # prefill with a causal mask
+        for t in range(20, len(tokens)):  # then decode, one token at a time
+            outs.append(model(x[:, t : t + 1], cache=cache))
+        return np.array(mx.concatenate(outs, axis=1))
+    finally:
+        mlx_h2o.use_fast_cpu_attention(False)
+
+
+@pytest.mark.parametrize(
+    "model_type,extra",
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("gpt_oss", dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    ],
+)
+def test_fused_attention_matches_stock(model_type, extra, monkeypatch):
+    model = _tiny(model_type, **extra)
+    tokens = np.random.default_rng(0).integers(0, 101, 40).tolist()
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("sinks") is not None)
+        return mlx_h2o.scaled_dot_product_attention_with_scores(*args, **kwargs)
+
+    monkeypatch.setattr(hook, "scaled_dot_product_attention_with_scores", counting)
+    stock = _logits(model, tokens, fused=False)
+    assert not calls
+    fused = _logits(model, tokens, fused=True)
+    assert len(calls) == 2 * (len(tokens) - 20 + 1)  # every layer, every call went through the kernel
+    assert all(calls) == (model_type == "gpt_oss")
+    np.testing.assert_allclose(fused, stock, atol=2e-4, rtol=1e-4)
+
+
+def test_hook_is_removable_and_off_by_default():
+    assert not hook.fast_cpu_attention_enabled()
+    mlx_h2o.use_fast_cpu_attention(True)
+    assert hook.fast_cpu_attention_enabled()
+    mlx_h2o.use_fast_cpu_attention(False)
+    hook.remove()
+    assert not hook.installed()
