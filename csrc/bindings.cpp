@@ -2,20 +2,36 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/ops.h"
 #include "mlx/version.h"
 
-#include "kernels/attention_problem.h"
+#include "attention_with_scores.h"
 #include "parallel.h"
+#include "quantized_scaled_dot_product_attention_with_scores.h"
 #include "scaled_dot_product_attention_with_scores.h"
 #include "uninitialized.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
 using namespace nb::literals;
+
+namespace {
+
+// (k arrays, k bits, k group size, v arrays, v bits, v group size); one array = dense.
+using SegmentTuple = std::tuple<std::vector<mx::array>, int, int, std::vector<mx::array>, int, int>;
+
+std::vector<mlx_h2o::SegmentInput> to_segments(const std::vector<SegmentTuple>& segments) {
+  std::vector<mlx_h2o::SegmentInput> out;
+  for (const auto& [k, kb, kg, v, vb, vg] : segments)
+    out.push_back({mlx_h2o::KVInput{k, kb, kg}, mlx_h2o::KVInput{v, vb, vg}});
+  return out;
+}
+
+}  // namespace
 
 NB_MODULE(_ext, m) {
   m.doc() = "mlx-h2o C++ kernels (MLX extension ops)";
@@ -37,9 +53,20 @@ NB_MODULE(_ext, m) {
 
   m.def("scaled_dot_product_attention_with_scores", &mlx_h2o::scaled_dot_product_attention_with_scores, "q"_a,
         "k"_a, "v"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(),
-        "stream"_a = nb::none(),
-        "Fused attention + scores (see mlx_h2o.scaled_dot_product_attention_with_scores for the Python API).");
-  m.def("attention_with_scores_composed", &mlx_h2o::attention_with_scores_composed, "q"_a, "k"_a, "v"_a, "scale"_a,
-        "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "stream"_a = nb::none(),
-        "The same computation from stock MLX ops (the fallback off the CPU).");
+        "stream"_a = nb::none(), "Fused attention + scores (Python API: mlx_h2o.scaled_dot_product_attention_with_scores).");
+  m.def("quantized_scaled_dot_product_attention_with_scores",
+        &mlx_h2o::quantized_scaled_dot_product_attention_with_scores, "q"_a, "k_q"_a, "v_q"_a, "scale"_a, "bits"_a,
+        "group_size"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "stream"_a = nb::none(),
+        "Fused attention + scores over packed K/V (Python API: mlx_h2o.quantized_scaled_dot_product_attention_with_scores).");
+  m.def(
+      "attention_with_scores",
+      [](const mx::array& q, const std::vector<SegmentTuple>& segments, float scale, const std::string& mask_mode,
+         const std::optional<mx::array>& mask, const std::string& scores, const std::optional<mx::array>& sinks,
+         bool composed, mx::StreamOrDevice s) {
+        auto segs = to_segments(segments);
+        return composed ? mlx_h2o::attention_with_scores_composed(q, segs, scale, mask_mode, mask, scores, sinks, s)
+                        : mlx_h2o::attention_with_scores(q, segs, scale, mask_mode, mask, scores, sinks, s);
+      },
+      "q"_a, "segments"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "composed"_a,
+      "stream"_a = nb::none(), "Fused attention over K/V segments (Python API: mlx_h2o.attention.attention_with_scores).");
 }

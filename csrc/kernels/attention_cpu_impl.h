@@ -196,45 +196,133 @@ static inline v8f bf16x8_to_float(const uint16_t* p) {
 }
 
 static inline v8f u8x8_to_float(const uint8_t* p) {
+#if defined(MLX_H2O_ISA_AVX2)
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return bitcast<v8f>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)));
+#else
   v8u8 raw;
   __builtin_memcpy(&raw, p, sizeof(raw));
-  return __builtin_convertvector(raw, v8f);
+  return __builtin_convertvector(__builtin_convertvector(raw, v8i), v8f);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
-// K/V row access. A loader turns (batch, kv head, position) into a row handle and reads 8 floats
-// from it at a column offset; the attention loop below is written once against this interface.
+// K/V row access. A loader turns (batch, kv head, position within its segment) into a row handle and
+// reads 8 floats from it at a column offset (a multiple of 8); the attention loop is written once
+// against this interface and instantiated per storage format.
 
-struct DenseF32 {
+static inline float half_to_float_fast(uint16_t h) {
+#if defined(MLX_H2O_ISA_AVX2)
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
+struct F32Elem {
   using Storage = float;
-  using Row = const float*;
-  static v8f load(Row r, int d) { return load8(r + d); }
-  static float load1(Row r, int d) { return r[d]; }
+  static v8f load8(const float* p) { return MLX_H2O_ISA_NS::load8(p); }
+  static float load1(const float* p) { return *p; }
 };
-struct DenseF16 {
+struct F16Elem {
   using Storage = uint16_t;
-  using Row = const uint16_t*;
-  static v8f load(Row r, int d) { return half8_to_float(r + d); }
-  static float load1(Row r, int d) { return half_to_float(r[d]); }
+  static v8f load8(const uint16_t* p) { return half8_to_float(p); }
+  static float load1(const uint16_t* p) { return half_to_float_fast(*p); }
 };
-struct DenseBF16 {
+struct BF16Elem {
   using Storage = uint16_t;
-  using Row = const uint16_t*;
-  static v8f load(Row r, int d) { return bf16x8_to_float(r + d); }
-  static float load1(Row r, int d) { return bf16_to_float(r[d]); }
+  static v8f load8(const uint16_t* p) { return bf16x8_to_float(p); }
+  static float load1(const uint16_t* p) { return bf16_to_float(*p); }
 };
+
+// Loader interface:
+//   Row row(b, h, n)                 handle of a row of the segment
+//   rows(b, h, n0, tn, out)          handles of tn consecutive rows
+//   Group group(row, d)              (scale, bias) of the group holding column d (empty for dense
+//                                    rows); groups are multiples of 32 columns
+//   v8f load(row, group, d)          8 floats at column d (d a multiple of 8, in `group`)
+//   float load1(row, d)              one float (dense rows only: head dims not a multiple of 8)
+struct NoGroup {};
 
 template <class Elem>
 struct DenseLoader {
-  using Row = typename Elem::Row;
-  using Storage = typename Elem::Storage;
-  const Storage* base;
+  using S = typename Elem::Storage;
+  using Row = const S*;
+  using Group = NoGroup;
+  const S* base;
   int64_t sb, sh, sn;
-  explicit DenseLoader(const View4& v)
-      : base(static_cast<const Storage*>(v.data)), sb(v.stride[0]), sh(v.stride[1]), sn(v.stride[2]) {}
+  explicit DenseLoader(const KVSource& src)
+      : base(static_cast<const S*>(src.dense.data)), sb(src.dense.stride[0]), sh(src.dense.stride[1]), sn(src.dense.stride[2]) {}
   Row row(int b, int h, int n) const { return base + b * sb + h * sh + n * sn; }
-  static v8f load(Row r, int d) { return Elem::load(r, d); }
-  static float load1(Row r, int d) { return Elem::load1(r, d); }
+  void rows(int b, int h, int n0, int tn, Row* out) const {
+    Row r = row(b, h, n0);
+    for (int t = 0; t < tn; ++t, r += sn) out[t] = r;
+  }
+  static Group group(Row, int) { return {}; }
+  static v8f load(Row r, Group, int d) { return Elem::load8(r + d); }
+  static float load1(Row r, int d) { return Elem::load1(r + d); }
+};
+
+// MLX affine quantization: value = scale * q + bias per group; 8 consecutive BITS-bit values occupy
+// exactly BITS bytes of the row's little-endian bit stream, so any 8-aligned chunk is one small load.
+template <int BITS, class ScaleElem>
+struct QuantLoader {
+  using S = typename ScaleElem::Storage;
+  struct Row {
+    const uint8_t* w;
+    const S* scale;
+    const S* bias;
+  };
+  struct Group {
+    v8f scale, bias;
+  };
+  const uint8_t* w;
+  const S* sc;
+  const S* bi;
+  int64_t wb, wh, wn, sb, sh, sn, bb, bh, bn;  // strides: packed in bytes, scales / biases in elements
+  int group_size, group_shift;
+
+  explicit QuantLoader(const KVSource& src)
+      : w(static_cast<const uint8_t*>(src.packed.data)),
+        sc(static_cast<const S*>(src.scales.data)),
+        bi(static_cast<const S*>(src.biases.data)),
+        wb(4 * src.packed.stride[0]), wh(4 * src.packed.stride[1]), wn(4 * src.packed.stride[2]),
+        sb(src.scales.stride[0]), sh(src.scales.stride[1]), sn(src.scales.stride[2]),
+        bb(src.biases.stride[0]), bh(src.biases.stride[1]), bn(src.biases.stride[2]),
+        group_size(src.group_size), group_shift(__builtin_ctz(static_cast<unsigned>(src.group_size))) {}
+
+  Row row(int b, int h, int n) const {
+    return Row{w + b * wb + h * wh + n * wn, sc + b * sb + h * sh + n * sn, bi + b * bb + h * bh + n * bn};
+  }
+  void rows(int b, int h, int n0, int tn, Row* out) const {
+    Row r = row(b, h, n0);
+    for (int t = 0; t < tn; ++t, r.w += wn, r.scale += sn, r.bias += bn) out[t] = r;
+  }
+  Group group(const Row& r, int d) const {
+    const int g = d >> group_shift;
+    return Group{splat(ScaleElem::load1(r.scale + g)), splat(ScaleElem::load1(r.bias + g))};
+  }
+  static v8f load(const Row& r, const Group& gp, int d) {
+    const uint8_t* p = r.w + (static_cast<unsigned>(d) >> 3) * BITS;
+    v8f x;
+    if constexpr (BITS == 8) {
+      x = u8x8_to_float(p);
+    } else if constexpr (BITS == 4 || BITS == 2) {
+      uint32_t word = 0;
+      __builtin_memcpy(&word, p, BITS);
+      const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 4u * BITS, 5u * BITS, 6u * BITS, 7u * BITS};
+      x = __builtin_convertvector(bitcast<v8i>((v8u{} + word) >> shifts & ((1u << BITS) - 1u)), v8f);
+    } else {  // 3, 5, 6 bits: two 32-bit halves of the BITS-byte chunk
+      uint64_t bitsv = 0;
+      __builtin_memcpy(&bitsv, p, BITS);
+      const uint32_t lo = static_cast<uint32_t>(bitsv);
+      const uint32_t hi = static_cast<uint32_t>(bitsv >> (4 * BITS));
+      const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 0u, BITS, 2u * BITS, 3u * BITS};
+      x = __builtin_convertvector(bitcast<v8i>((v8u{lo, lo, lo, lo, hi, hi, hi, hi} >> shifts) & ((1u << BITS) - 1u)), v8f);
+    }
+    return x * gp.scale + gp.bias;
+  }
+  static float load1(const Row&, int) { return 0.0f; }  // unused: quantized head dims are multiples of 32
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -325,68 +413,158 @@ static inline int key_limit(const AttentionProblem& p, int l) {
 
 // ---------------------------------------------------------------------------------------------
 // Micro-kernels on one tile of `tn` keys for RR rows (RR = 1..4, a compile-time constant so the
-// accumulators stay in registers).
+// accumulators stay in registers). Head dims are handled in multiples of 8 (D8); a dense head dim
+// that is not a multiple of 8 adds its last columns in qk_tail / pv_tail.
+
+// s[j * lds] = hsum(a[j]) for j < RR.
+template <int RR>
+static inline void store_sums(const v8f* a, float* s, int lds) {
+#if defined(MLX_H2O_ISA_AVX2)
+  if constexpr (RR >= 3) {  // reduce 4 vectors at once: 3 hadds and one 128-bit add
+    const __m256 z = _mm256_setzero_ps();
+    const __m256 h01 = _mm256_hadd_ps(bitcast<__m256>(a[0]), bitcast<__m256>(a[1]));
+    const __m256 h23 = _mm256_hadd_ps(bitcast<__m256>(a[2]), RR == 4 ? bitcast<__m256>(a[RR - 1]) : z);
+    const __m256 h = _mm256_hadd_ps(h01, h23);
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    alignas(16) float out[4];
+    _mm_store_ps(out, r);
+    for (int j = 0; j < RR; ++j) s[j * lds] = out[j];
+    return;
+  }
+#endif
+  for (int j = 0; j < RR; ++j) s[j * lds] = hsum(a[j]);
+}
 
 template <int RR, class KV>
-static inline void qk_rows(const float* q, int ldq, const typename KV::Row* rows, int tn, int Dk, float* s, int lds) {
-  const int Dk8 = Dk & ~7;
+static inline void qk_rows(const KV& K, const float* q, int ldq, const typename KV::Row* rows, int tn, int D8, float* s, int lds) {
   for (int t = 0; t < tn; ++t) {
-    const typename KV::Row kr = rows[t];
+    const typename KV::Row& kr = rows[t];
     v8f a[RR];
     for (int j = 0; j < RR; ++j) a[j] = zeros8();
-    for (int d = 0; d < Dk8; d += 8) {
-      v8f kv = KV::load(kr, d);
+    int d = 0;
+    for (; d + 32 <= D8; d += 32) {  // 32 columns lie in one quantization group
+      const typename KV::Group gp = K.group(kr, d);
+      for (int c = 0; c < 32; c += 8) {
+        const v8f kv = K.load(kr, gp, d + c);
+        for (int j = 0; j < RR; ++j) a[j] += load8(q + j * ldq + d + c) * kv;
+      }
+    }
+    for (; d < D8; d += 8) {
+      const v8f kv = K.load(kr, K.group(kr, d), d);
       for (int j = 0; j < RR; ++j) a[j] += load8(q + j * ldq + d) * kv;
     }
-    for (int j = 0; j < RR; ++j) {
-      float x = hsum(a[j]);
-      for (int d = Dk8; d < Dk; ++d) x += q[j * ldq + d] * KV::load1(kr, d);
-      s[j * lds + t] = x;
+    store_sums<RR>(a, s + t, lds);
+  }
+}
+
+// RR rows x NB chunks of 8 columns starting at d0 (inside one quantization group).
+template <int RR, int NB, class KV>
+static inline void pv_block(const KV& V, const float* pr, int ldp, const typename KV::Row* rows, int tn, int d0, float* acc, int lda) {
+  v8f a[RR][NB];
+  for (int j = 0; j < RR; ++j)
+    for (int c = 0; c < NB; ++c) a[j][c] = load8(acc + j * lda + d0 + 8 * c);
+  for (int t = 0; t < tn; ++t) {
+    const typename KV::Group gp = V.group(rows[t], d0);
+    v8f p[RR];
+    for (int j = 0; j < RR; ++j) p[j] = splat(pr[j * ldp + t]);
+    for (int c = 0; c < NB; ++c) {
+      const v8f vv = V.load(rows[t], gp, d0 + 8 * c);
+      for (int j = 0; j < RR; ++j) a[j][c] += p[j] * vv;
     }
   }
+  for (int j = 0; j < RR; ++j)
+    for (int c = 0; c < NB; ++c) store8(acc + j * lda + d0 + 8 * c, a[j][c]);
 }
 
 template <int RR, class KV>
-static inline void pv_rows(const float* pr, int ldp, const typename KV::Row* rows, int tn, int Dv, float* acc, int lda) {
-  const int Dv8 = Dv & ~7;
-  for (int d = 0; d < Dv8; d += 8) {
-    v8f a[RR];
-    for (int j = 0; j < RR; ++j) a[j] = load8(acc + j * lda + d);
-    for (int t = 0; t < tn; ++t) {
-      v8f vv = KV::load(rows[t], d);
-      for (int j = 0; j < RR; ++j) a[j] += splat(pr[j * ldp + t]) * vv;
-    }
-    for (int j = 0; j < RR; ++j) store8(acc + j * lda + d, a[j]);
-  }
-  for (int d = Dv8; d < Dv; ++d) {
-    for (int t = 0; t < tn; ++t) {
-      float vv = KV::load1(rows[t], d);
-      for (int j = 0; j < RR; ++j) acc[j * lda + d] += pr[j * ldp + t] * vv;
-    }
-  }
+static inline void pv_rows(const KV& V, const float* pr, int ldp, const typename KV::Row* rows, int tn, int D8, float* acc, int lda) {
+  // RR * NB accumulators + RR broadcasts + 1 value: at most 16 vector registers.
+  constexpr int NB = RR <= 3 ? 4 : 2;
+  int d = 0;
+  for (; d + 8 * NB <= D8; d += 8 * NB) pv_block<RR, NB>(V, pr, ldp, rows, tn, d, acc, lda);
+  for (; d < D8; d += 8) pv_block<RR, 1>(V, pr, ldp, rows, tn, d, acc, lda);
 }
 
 template <class KV>
-static void qk_tile(const float* q, int ldq, int R, const typename KV::Row* rows, int tn, int Dk, float* s, int lds) {
-  int r = 0;
-  for (; r + 4 <= R; r += 4) qk_rows<4, KV>(q + r * ldq, ldq, rows, tn, Dk, s + r * lds, lds);
-  switch (R - r) {
-    case 3: qk_rows<3, KV>(q + r * ldq, ldq, rows, tn, Dk, s + r * lds, lds); break;
-    case 2: qk_rows<2, KV>(q + r * ldq, ldq, rows, tn, Dk, s + r * lds, lds); break;
-    case 1: qk_rows<1, KV>(q + r * ldq, ldq, rows, tn, Dk, s + r * lds, lds); break;
-    default: break;
-  }
+static void qk_tail(const KV& K, const float* q, int ldq, int R, const typename KV::Row* rows, int tn, int D8, int D, float* s, int lds) {
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < tn; ++t) {
+      float x = 0.0f;
+      for (int d = D8; d < D; ++d) x += q[r * ldq + d] * K.load1(rows[t], d);
+      s[r * lds + t] += x;
+    }
 }
 
 template <class KV>
-static void pv_tile(const float* pr, int ldp, int R, const typename KV::Row* rows, int tn, int Dv, float* acc, int lda) {
+static void pv_tail(const KV& V, const float* pr, int ldp, int R, const typename KV::Row* rows, int tn, int D8, int D, float* acc, int lda) {
+  for (int t = 0; t < tn; ++t)
+    for (int d = D8; d < D; ++d) {
+      const float vv = V.load1(rows[t], d);
+      for (int r = 0; r < R; ++r) acc[r * lda + d] += pr[r * ldp + t] * vv;
+    }
+}
+
+// One tile of `tn` keys starting at segment-local position n0, for all R rows of a block.
+template <class KV>
+static void qk_tile(const KV& K, int b, int h, int n0, int tn, const float* q, int ldq, int R, int Dk, float* s, int lds) {
+  typename KV::Row rows[TILE];
+  K.rows(b, h, n0, tn, rows);
+  const int D8 = Dk & ~7;
   int r = 0;
-  for (; r + 4 <= R; r += 4) pv_rows<4, KV>(pr + r * ldp, ldp, rows, tn, Dv, acc + r * lda, lda);
+  for (; r + 4 <= R; r += 4) qk_rows<4>(K, q + r * ldq, ldq, rows, tn, D8, s + r * lds, lds);
   switch (R - r) {
-    case 3: pv_rows<3, KV>(pr + r * ldp, ldp, rows, tn, Dv, acc + r * lda, lda); break;
-    case 2: pv_rows<2, KV>(pr + r * ldp, ldp, rows, tn, Dv, acc + r * lda, lda); break;
-    case 1: pv_rows<1, KV>(pr + r * ldp, ldp, rows, tn, Dv, acc + r * lda, lda); break;
+    case 3: qk_rows<3>(K, q + r * ldq, ldq, rows, tn, D8, s + r * lds, lds); break;
+    case 2: qk_rows<2>(K, q + r * ldq, ldq, rows, tn, D8, s + r * lds, lds); break;
+    case 1: qk_rows<1>(K, q + r * ldq, ldq, rows, tn, D8, s + r * lds, lds); break;
     default: break;
+  }
+  if (D8 != Dk) qk_tail(K, q, ldq, R, rows, tn, D8, Dk, s, lds);
+}
+
+template <class KV>
+static void pv_tile(const KV& V, int b, int h, int n0, int tn, const float* pr, int ldp, int R, int Dv, float* acc, int lda) {
+  typename KV::Row rows[TILE];
+  V.rows(b, h, n0, tn, rows);
+  const int D8 = Dv & ~7;
+  int r = 0;
+  for (; r + 4 <= R; r += 4) pv_rows<4>(V, pr + r * ldp, ldp, rows, tn, D8, acc + r * lda, lda);
+  switch (R - r) {
+    case 3: pv_rows<3>(V, pr + r * ldp, ldp, rows, tn, D8, acc + r * lda, lda); break;
+    case 2: pv_rows<2>(V, pr + r * ldp, ldp, rows, tn, D8, acc + r * lda, lda); break;
+    case 1: pv_rows<1>(V, pr + r * ldp, ldp, rows, tn, D8, acc + r * lda, lda); break;
+    default: break;
+  }
+  if (D8 != Dv) pv_tail(V, pr, ldp, R, rows, tn, D8, Dv, acc, lda);
+}
+
+// Runs f(loader) with the loader for `src`'s storage format: the one place formats are enumerated.
+template <class F>
+static void with_loader(const KVSource& src, F&& f) {
+  if (!src.quantized) {
+    switch (src.dense.type) {
+      case ElemType::float32: f(DenseLoader<F32Elem>(src)); return;
+      case ElemType::float16: f(DenseLoader<F16Elem>(src)); return;
+      case ElemType::bfloat16: f(DenseLoader<BF16Elem>(src)); return;
+      default: return;  // rejected by the op
+    }
+  }
+  auto by_bits = [&](auto scale_elem) {
+    using SE = decltype(scale_elem);
+    switch (src.bits) {
+      case 2: f(QuantLoader<2, SE>(src)); return;
+      case 3: f(QuantLoader<3, SE>(src)); return;
+      case 4: f(QuantLoader<4, SE>(src)); return;
+      case 5: f(QuantLoader<5, SE>(src)); return;
+      case 6: f(QuantLoader<6, SE>(src)); return;
+      case 8: f(QuantLoader<8, SE>(src)); return;
+      default: return;  // rejected by the op
+    }
+  };
+  switch (src.scales.type) {
+    case ElemType::float32: by_bits(F32Elem{}); return;
+    case ElemType::float16: by_bits(F16Elem{}); return;
+    case ElemType::bfloat16: by_bits(BF16Elem{}); return;
+    default: return;
   }
 }
 
@@ -409,15 +587,12 @@ struct LogitSink {
   float* row(int r) const { return base + (r / G) * stride_l + (r % G) * stride_g; }
 };
 
-template <class KV>
-static void attend_range(const AttentionProblem& p, const Plan& pl, const KV& K, const KV& V, const Block& bk,
-                         int n_begin, int n_end, const LogitSink& sink, RowState st, float* work) {
+static void attend_range(const AttentionProblem& p, const Plan& pl, const Block& bk, int n_begin, int n_end,
+                         const LogitSink& sink, RowState st, float* work) {
   const int G = pl.G, R = G * bk.nl, Dkp = pl.Dkp, Dvp = pl.Dvp;
   float* q = work;                 // [R x Dkp]
   float* s = q + R * Dkp;          // [R x TILE]
-  typename KV::Row* krows = reinterpret_cast<typename KV::Row*>(s + R * TILE);
-  typename KV::Row* vrows = krows + TILE;
-  int* limit = reinterpret_cast<int*>(vrows + TILE);  // [R]
+  int* limit = reinterpret_cast<int*>(s + R * TILE);  // [R]
 
   const float qscale = p.scale * LOG2E;
   for (int li = 0; li < bk.nl; ++li) {
@@ -435,13 +610,12 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const KV& K,
   const int block_limit = limit[R - 1];  // rows are ordered by position: the last sees the most
   const int n_stop = imin(n_end, block_limit + 1);
 
-  for (int n0 = n_begin; n0 < n_stop; n0 += TILE) {
-    const int tn = imin(TILE, n_stop - n0);
-    for (int t = 0; t < tn; ++t) {
-      krows[t] = K.row(bk.b, bk.h, n0 + t);
-      vrows[t] = V.row(bk.b, bk.h, n0 + t);
-    }
-    qk_tile<KV>(q, Dkp, R, krows, tn, p.Dk, s, TILE);
+  int seg = 0;
+  for (int n0 = n_begin; n0 < n_stop;) {
+    while (n0 >= p.segments[seg].begin + p.segments[seg].length) ++seg;
+    const KVSegment& sg = p.segments[seg];
+    const int tn = imin(TILE, imin(n_stop, sg.begin + sg.length) - n0);  // tiles never straddle segments
+    with_loader(sg.k, [&](const auto& K) { qk_tile(K, bk.b, bk.h, n0 - sg.begin, tn, q, Dkp, R, p.Dk, s, TILE); });
 
     // Masks.
     if (p.mask_kind == MaskKind::causal) {
@@ -510,7 +684,8 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const KV& K,
       }
       st.l[r] += total;
     }
-    pv_tile<KV>(s, TILE, R, vrows, tn, p.Dv, st.acc, Dvp);
+    with_loader(sg.v, [&](const auto& V) { pv_tile(V, bk.b, bk.h, n0 - sg.begin, tn, s, TILE, R, p.Dv, st.acc, Dvp); });
+    n0 += tn;
   }
   // "logits" output: keys past the block's causal limit were never computed.
   if (sink.base && sink.natural_units && n_end > n_stop) {
@@ -522,8 +697,7 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const KV& K,
 }
 
 static inline int64_t attend_work_floats(const Plan& pl, int R) {
-  // q + s + 2*TILE row handles (<= 24 bytes each) + limits
-  return static_cast<int64_t>(R) * pl.Dkp + static_cast<int64_t>(R) * TILE + 2 * TILE * 6 + R + 8;
+  return static_cast<int64_t>(R) * pl.Dkp + static_cast<int64_t>(R) * TILE + R;  // q, s, limits
 }
 
 // Combine the split partials of one block (split sp: m at parts + sp * part_stride, then l, then
@@ -567,8 +741,7 @@ static void finish_block(const AttentionProblem& p, const Plan& pl, const Block&
 // ---------------------------------------------------------------------------------------------
 // The driver.
 
-template <class KV>
-static void run_attention(const AttentionProblem& p, const KV& K, const KV& V) {
+static void run_attention(const AttentionProblem& p) {
   const Plan pl = make_plan(p);
   const int G = pl.G, Rmax = G * pl.block_l, S = pl.splits;
   const bool mass = p.score_mode == ScoreMode::mass;
@@ -607,7 +780,7 @@ static void run_attention(const AttentionProblem& p, const KV& K, const KV& V) {
       }
       FloatBuffer scratch(work_floats);
       const int n_begin = sp * pl.split_len, n_end = imin(p.N, n_begin + pl.split_len);
-      attend_range<KV>(p, pl, K, V, bk, n_begin, n_end, sink, RowState{part, part + R, part + 2 * R}, scratch.p);
+      attend_range(p, pl, bk, n_begin, n_end, sink, RowState{part, part + R, part + 2 * R}, scratch.p);
     };
     run_parallel(nb * S, pl.threads, phase_a);
 
@@ -656,21 +829,7 @@ static void run_attention(const AttentionProblem& p, const KV& K, const KV& V) {
   }
 }
 
-static void attention_cpu_entry(const AttentionProblem& p) {
-  switch (p.k.type) {
-    case ElemType::float32:
-      run_attention(p, DenseLoader<DenseF32>(p.k), DenseLoader<DenseF32>(p.v));
-      break;
-    case ElemType::float16:
-      run_attention(p, DenseLoader<DenseF16>(p.k), DenseLoader<DenseF16>(p.v));
-      break;
-    case ElemType::bfloat16:
-      run_attention(p, DenseLoader<DenseBF16>(p.k), DenseLoader<DenseBF16>(p.v));
-      break;
-    default:
-      break;  // rejected by the op before it reaches here
-  }
-}
+static void attention_cpu_entry(const AttentionProblem& p) { run_attention(p); }
 
 }  // namespace MLX_H2O_ISA_NS
 }  // namespace mlx_h2o

@@ -17,22 +17,33 @@ struct View4 {
   int64_t stride[4] = {0, 0, 0, 0};
 };
 
-/** MLX's affine quantization of one of K / V: weights packed along the last axis into uint32
- *  (bits 4 or 8), one scale and bias per `group_size` elements. View strides: `packed` in uint32
- *  words, `scales` / `biases` in elements; their last-axis stride is 1. */
-struct QuantizedView {
+/** One of K or V for one segment of keys. Dense: `dense` (float32/float16/bfloat16, unit stride on
+ *  the last axis). Quantized (MLX's affine format): `packed` holds uint32 words of a little-endian bit
+ *  stream of `bits`-bit values (element j at bit j * bits of its row), `scales` / `biases` one value
+ *  per `group_size` elements; all three with a unit last-axis stride. */
+struct KVSource {
+  bool quantized = false;
+  View4 dense;
   View4 packed, scales, biases;
+  int bits = 0, group_size = 0;
 };
+
+/** Keys [begin, begin + length) of the logical sequence, stored in their own format. A call may
+ *  attend over several segments (e.g. 8-bit heavy hitters + a 4-bit recent window, or packed
+ *  storage + a full-precision residual window) without concatenating them. */
+struct KVSegment {
+  int begin = 0, length = 0;
+  KVSource k, v;
+};
+
+constexpr int MAX_SEGMENTS = 4;
 
 struct AttentionProblem {
   int B = 0, Hq = 0, Hkv = 0, L = 0, N = 0, Dk = 0, Dv = 0;
   float scale = 1.0f;
   View4 q;
-  // Dense K/V: k, v with a unit stride on the last axis. Quantized K/V: kq, vq with bits/group_size.
-  View4 k, v;
-  bool quantized = false;
-  QuantizedView kq, vq;
-  int bits = 0, group_size = 0;
+  KVSegment segments[MAX_SEGMENTS];
+  int n_segments = 0;
   MaskKind mask_kind = MaskKind::none;
   View4 mask;  // broadcast to (B, Hq, L, N) (zero strides allowed); boolean or additive
   const void* sinks = nullptr;  // (Hq,) sink logits, or null

@@ -2,12 +2,12 @@
 position received, from the same pass over K and V.
 
 CPU streams run the fused C++ kernel (csrc/kernels/attention_cpu_impl.h: one pass over K/V per kv
-head with an online softmax, GQA without repeating K/V, f16/bf16 converted in registers, threads
-over heads and key splits). Other streams (GPU) run the composed MLX ops of
-`attention_with_scores_composed`: correct, unfused.
+head with an online softmax, GQA without repeating K/V, f16/bf16 or packed 2-8-bit K/V converted in
+registers, threads over heads and key splits). Other streams (GPU) run the composed MLX ops
+(`composed=True`): correct, unfused.
 """
 
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -34,10 +34,40 @@ def _native_args(mask, scores, sinks):
     return mode, array, scores or "", sinks
 
 
+def _check_int(value, name) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
 def _check_scale(scale) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a number, got {scale!r}")
     return float(scale)
+
+
+class PackedKV(NamedTuple):
+    """K or V in MLX's affine packed format, as `mx.quantize` returns it, plus how it was packed."""
+
+    packed: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+
+def _segment_source(x, what):
+    if isinstance(x, mx.array):
+        return [x], 0, 0
+    if isinstance(x, PackedKV):
+        return [x.packed, x.scales, x.biases], x.bits, x.group_size
+    raise ValueError(f"{what} must be an mx.array or a PackedKV, got {type(x).__name__}")
+
+
+def _triple(x, name):
+    if not isinstance(x, (tuple, list)) or len(x) != 3 or not all(isinstance(a, mx.array) for a in x):
+        raise ValueError(f"{name} must be a (packed, scales, biases) triple of mx.arrays as mx.quantize returns")
+    return list(x)
 
 
 def scaled_dot_product_attention_with_scores(
@@ -54,7 +84,7 @@ def scaled_dot_product_attention_with_scores(
     """Attention output plus the attention each cached position received.
 
     q: (B, Hq, L, Dk); k: (B, Hkv, N, Dk); v: (B, Hkv, N, Dv); Hq a multiple of Hkv (MHA, GQA, MQA);
-    float32, float16 or bfloat16 (k and v share a dtype; the output has q's dtype).
+    float32, float16 or bfloat16 (the output has q's dtype).
     mask: None, "causal" (query row i sits at absolute position N - L + i), or a boolean / additive
     array broadcastable to (B, Hq, L, N). A row whose every key is masked outputs zeros.
     scores: "mass" -> (B, Hkv, N) float32, the post-softmax probability each position received,
@@ -65,13 +95,55 @@ def scaled_dot_product_attention_with_scores(
     Returns (out, scores).
     """
     mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
+    if not isinstance(k, mx.array) or not isinstance(v, mx.array):
+        raise ValueError("k and v must be mx.arrays (for packed K/V use quantized_scaled_dot_product_attention_with_scores)")
     res = _ext.scaled_dot_product_attention_with_scores(q, k, v, _check_scale(scale), mode, array, score_mode, sinks, stream)
     return res[0], (res[1] if len(res) > 1 else None)
 
 
-def attention_with_scores_composed(q, k, v, *, scale, mask=None, scores="mass", sinks=None, stream=None):
-    """The same computation from stock MLX ops: the definition of the fused kernel, and what runs on
-    GPU streams. Materialises the (B, Hq, L, N) attention matrix."""
+def quantized_scaled_dot_product_attention_with_scores(
+    q: mx.array,
+    k_q,
+    v_q,
+    *,
+    scale: float,
+    bits: int,
+    group_size: int,
+    mask: Optional[Union[str, mx.array]] = None,
+    scores: Optional[str] = "mass",
+    sinks: Optional[mx.array] = None,
+    stream=None,
+) -> Tuple[mx.array, Optional[mx.array]]:
+    """`scaled_dot_product_attention_with_scores` over packed K/V: k_q, v_q are the
+    (packed uint32, scales, biases) triples `mx.quantize(x, group_size, bits)` returns for x of shape
+    (B, Hkv, N, D); bits 2, 3, 4, 5, 6 or 8; group_size 32, 64 or 128. The kernel reads the packed
+    bytes and dequantizes in registers: no dequantized copy of the cache is made."""
     mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
-    res = _ext.attention_with_scores_composed(q, k, v, _check_scale(scale), mode, array, score_mode, sinks, stream)
+    res = _ext.quantized_scaled_dot_product_attention_with_scores(
+        q, _triple(k_q, "k_q"), _triple(v_q, "v_q"), _check_scale(scale), _check_int(bits, "bits"),
+        _check_int(group_size, "group_size"), mode, array, score_mode, sinks, stream,
+    )
     return res[0], (res[1] if len(res) > 1 else None)
+
+
+def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="mass", sinks=None, composed=False, stream=None):
+    """Attention over several K/V segments taken in order, each an mx.array or a `PackedKV` (e.g.
+    8-bit heavy hitters + a 4-bit recent window, or packed storage + a full-precision residual
+    window), without concatenating them. Scores cover the concatenated positions.
+    composed=True runs the stock-MLX-ops definition instead of the fused kernel."""
+    mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
+        raise ValueError("segments must be a sequence of (k, v) pairs")
+    native = []
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, (tuple, list)) or len(seg) != 2:
+            raise ValueError(f"segments[{i}] must be a (k, v) pair")
+        native.append((*_segment_source(seg[0], f"segments[{i}][0]"), *_segment_source(seg[1], f"segments[{i}][1]")))
+    res = _ext.attention_with_scores(q, native, _check_scale(scale), mode, array, score_mode, sinks, bool(composed), stream)
+    return res[0], (res[1] if len(res) > 1 else None)
+
+
+def attention_with_scores_composed(q, k, v, *, scale, mask=None, scores="mass", sinks=None, stream=None):
+    """The same computation as `scaled_dot_product_attention_with_scores` from stock MLX ops: the
+    definition of the fused kernel, and what runs on GPU streams. Materialises (B, Hq, L, N)."""
+    return attention_with_scores(q, [(k, v)], scale=scale, mask=mask, scores=scores, sinks=sinks, composed=True, stream=stream)
