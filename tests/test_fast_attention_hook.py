@@ -7,23 +7,7 @@ from mlx_lm.models import cache as lm_cache
 
 import mlx_h2o
 from mlx_h2o import hook
-
-
-def _tiny(model_type, **extra):
-    import importlib
-
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    base = dict(
-        model_type=model_type, hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=101, head_dim=16, rope_theta=10000.0,
-        max_position_embeddings=512, tie_word_embeddings=True,
-    )
-    base.update(extra)
-    args = module.ModelArgs.from_dict(base)
-    mx.random.seed(0)
-    model = module.Model(args)
-    mx.eval(model.parameters())
-    return model
+from tiny_models import tiny_model
 
 
 def _logits(model, tokens, fused):
@@ -48,7 +32,7 @@ def _logits(model, tokens, fused):
     ],
 )
 def test_fused_attention_matches_stock(model_type, extra, monkeypatch):
-    model = _tiny(model_type, **extra)
+    model = tiny_model(model_type, **extra)
     tokens = np.random.default_rng(0).integers(0, 101, 40).tolist()
     calls = []
 

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import cache as lm_cache
-from test_fast_attention_hook import _tiny
+from tiny_models import tiny_model
 
 import mlx_h2o
 from mlx_h2o import hook
@@ -21,7 +21,7 @@ def _run(model, cache, tokens, prefill=20):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fused_quantized_matches_mlx_lm_quantized_path(bits):
-    model = _tiny("llama", head_dim=64, hidden_size=128)
+    model = tiny_model("llama", head_dim=64, hidden_size=128)
     tokens = np.random.default_rng(1).integers(0, 101, 60).tolist()
     fused = _run(model, mlx_h2o.make_cache(model, "quantized", bits=bits, group_size=32), tokens)
     stock = _run(model, [lm_cache.QuantizedKVCache(group_size=32, bits=bits) for _ in model.layers], tokens)
@@ -34,7 +34,7 @@ def test_fused_quantized_matches_mlx_lm_quantized_path(bits):
 
 
 def test_opt_in_routes_mlx_lm_quantized_cache(monkeypatch):
-    model = _tiny("qwen3", head_dim=64, hidden_size=128)
+    model = tiny_model("qwen3", head_dim=64, hidden_size=128)
     tokens = np.random.default_rng(2).integers(0, 101, 40).tolist()
     calls = []
 
@@ -54,7 +54,7 @@ def test_opt_in_routes_mlx_lm_quantized_cache(monkeypatch):
 
 
 def test_nbytes_counts_packed_live_tokens():
-    model = _tiny("llama", head_dim=64, hidden_size=128)
+    model = tiny_model("llama", head_dim=64, hidden_size=128)
     cache = mlx_h2o.make_cache(model, "quantized", bits=4, group_size=64)
     _run(model, cache, list(range(30)))
     n, heads, dim = 30, 2, 64  # tokens, kv heads, head dim of the tiny model
@@ -66,7 +66,7 @@ def test_nbytes_counts_packed_live_tokens():
 def test_save_load_reproduces_generation(tmp_path):
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    model = _tiny("llama", head_dim=64, hidden_size=128)
+    model = tiny_model("llama", head_dim=64, hidden_size=128)
     tokens = np.random.default_rng(3).integers(0, 101, 30).tolist()
     cache = mlx_h2o.make_cache(model, "quantized", bits=8)
     _run(model, cache, tokens)
@@ -78,7 +78,7 @@ def test_save_load_reproduces_generation(tmp_path):
 
 
 def test_bad_options():
-    model = _tiny("llama")
+    model = tiny_model("llama")
     with pytest.raises(ValueError, match="bits must be one of"):
         mlx_h2o.make_cache(model, "quantized", bits=3)
     with pytest.raises(ValueError, match="group_size must be one of"):

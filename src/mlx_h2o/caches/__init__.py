@@ -46,4 +46,4 @@ def make_cache(model, policy: str = "full", **options):
     return POLICIES[policy](model, **options)
 
 
-from . import baseline, quantized  # noqa: E402,F401  (register their policies)
+from . import baseline, quantized, rotated  # noqa: E402,F401  (register their policies)
