@@ -21,8 +21,19 @@ def _peak_rss_bytes() -> int:
 
 
 def kv_bytes(cache) -> int:
-    """Bytes the per-layer caches hold (each cache's `nbytes`, as mlx-lm defines it)."""
-    return int(sum(c.nbytes for c in cache))
+    """Bytes of the tokens the per-layer caches hold. mlx-lm's KVCache and QuantizedKVCache report
+    their whole step-allocated buffers as `nbytes`; for those only the live rows are counted, so
+    that compression ratios between policies are measured on what is stored."""
+    from mlx.utils import tree_reduce
+    from mlx_lm.models import cache as lm_cache
+
+    total = 0
+    for c in cache:
+        if isinstance(c, (lm_cache.KVCache, lm_cache.QuantizedKVCache)) and not c.empty():
+            total += tree_reduce(lambda acc, x: acc + x.nbytes, c.keys_and_values(), 0)
+        else:
+            total += c.nbytes
+    return int(total)
 
 
 def memory_snapshot() -> dict:
