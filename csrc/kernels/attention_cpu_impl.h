@@ -504,20 +504,32 @@ static void pv_tail(const KV& V, const float* pr, int ldp, int R, const typename
     }
 }
 
+template <int N>
+struct RowCount {
+  static constexpr int value = N;
+};
+
+// f(RowCount<RR>{}, r) over rows [0, R) in groups of RR <= 4 rows: the row count of each call is a
+// compile-time constant, so its accumulators stay in registers.
+template <class F>
+static inline void for_row_groups(int R, F&& f) {
+  int r = 0;
+  for (; r + 4 <= R; r += 4) f(RowCount<4>{}, r);
+  switch (R - r) {
+    case 3: f(RowCount<3>{}, r); break;
+    case 2: f(RowCount<2>{}, r); break;
+    case 1: f(RowCount<1>{}, r); break;
+    default: break;
+  }
+}
+
 // One tile of `tn` keys starting at segment-local position n0, for all R rows of a block.
 template <class KV>
 static void qk_tile(const KV& K, int b, int h, int n0, int tn, const float* q, int ldq, int R, int Dk, float* s, int lds) {
   typename KV::Row rows[TILE];
   K.rows(b, h, n0, tn, rows);
   const int D8 = Dk & ~7;
-  int r = 0;
-  for (; r + 4 <= R; r += 4) qk_rows<4>(K, q + r * ldq, ldq, rows, tn, D8, s + r * lds, lds);
-  switch (R - r) {
-    case 3: qk_rows<3>(K, q + r * ldq, ldq, rows, tn, D8, s + r * lds, lds); break;
-    case 2: qk_rows<2>(K, q + r * ldq, ldq, rows, tn, D8, s + r * lds, lds); break;
-    case 1: qk_rows<1>(K, q + r * ldq, ldq, rows, tn, D8, s + r * lds, lds); break;
-    default: break;
-  }
+  for_row_groups(R, [&](auto rr, int r) { qk_rows<decltype(rr)::value>(K, q + r * ldq, ldq, rows, tn, D8, s + r * lds, lds); });
   if (D8 != Dk) qk_tail(K, q, ldq, R, rows, tn, D8, Dk, s, lds);
 }
 
@@ -526,14 +538,7 @@ static void pv_tile(const KV& V, int b, int h, int n0, int tn, const float* pr, 
   typename KV::Row rows[TILE];
   V.rows(b, h, n0, tn, rows);
   const int D8 = Dv & ~7;
-  int r = 0;
-  for (; r + 4 <= R; r += 4) pv_rows<4>(V, pr + r * ldp, ldp, rows, tn, D8, acc + r * lda, lda);
-  switch (R - r) {
-    case 3: pv_rows<3>(V, pr + r * ldp, ldp, rows, tn, D8, acc + r * lda, lda); break;
-    case 2: pv_rows<2>(V, pr + r * ldp, ldp, rows, tn, D8, acc + r * lda, lda); break;
-    case 1: pv_rows<1>(V, pr + r * ldp, ldp, rows, tn, D8, acc + r * lda, lda); break;
-    default: break;
-  }
+  for_row_groups(R, [&](auto rr, int r) { pv_rows<decltype(rr)::value>(V, pr + r * ldp, ldp, rows, tn, D8, acc + r * lda, lda); });
   if (D8 != Dv) pv_tail(V, pr, ldp, R, rows, tn, D8, Dv, acc, lda);
 }
 
