@@ -30,6 +30,7 @@ LAMBDA_MODES = ("prefill", "none")
 class RotatedQuantizedKVCache(lm_cache._BaseCache):
     def __init__(self, bits: int = 4, group_size: int = 32, residual: int = 16, seed: int = 0, lam="prefill"):
         check_bits_and_group(bits, group_size, ROTATED_BITS)
+        lam = "none" if lam is None else lam  # eval specs spell it lam=none, which parses to None
         if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
             raise ValueError(f"residual must be an integer >= 0, got {residual!r}")
         if not (lam in LAMBDA_MODES or isinstance(lam, tuple)):
