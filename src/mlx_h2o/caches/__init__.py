@@ -17,6 +17,18 @@ def register_policy(name: str):
     return wrap
 
 
+def loadable_by_mlx_lm(cls):
+    """Class decorator: let mlx-lm's `load_prompt_cache` rebuild `cls`. It looks cache classes up
+    by name in the `mlx_lm.models.cache` module, so the class is published there."""
+    from mlx_lm.models import cache as lm_cache
+
+    existing = getattr(lm_cache, cls.__name__, None)
+    if existing is not None and existing.__module__ != cls.__module__:
+        raise RuntimeError(f"mlx_lm.models.cache already has a {cls.__name__} ({existing.__module__})")
+    setattr(lm_cache, cls.__name__, cls)
+    return cls
+
+
 def make_cache(model, policy: str = "full", **options):
     """Per-layer caches for `model` under `policy` (see `POLICIES` for the names)."""
     if policy not in POLICIES:
@@ -25,3 +37,4 @@ def make_cache(model, policy: str = "full", **options):
 
 
 from . import baseline  # noqa: E402,F401  (registers "full" and "rotating")
+from . import reserved  # noqa: E402,F401  (registers "reserved")

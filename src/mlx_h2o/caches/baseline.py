@@ -15,6 +15,14 @@ def check_max_kv_size(max_kv_size) -> int:
     return max_kv_size
 
 
+def replace_kv_caches(model, make_layer_cache):
+    """The model's per-layer caches with every plain `KVCache` layer replaced by
+    `make_layer_cache()`. Models with their own layout (sliding layers, SSM state) keep it."""
+    if hasattr(model, "make_cache"):
+        return [make_layer_cache() if type(c) is lm_cache.KVCache else c for c in model.make_cache()]
+    return [make_layer_cache() for _ in model.layers]
+
+
 def _reject_options(policy, options):
     if options:
         raise ValueError(f"policy {policy!r} takes no options {sorted(options)}")
@@ -32,12 +40,4 @@ def rotating_cache(model, max_kv_size=None, keep: int = 4, **options):
     max_kv_size = check_max_kv_size(max_kv_size)
     if not 0 <= keep < max_kv_size:
         raise ValueError(f"keep must be in [0, max_kv_size) = [0, {max_kv_size}), got {keep!r}")
-    if hasattr(model, "make_cache"):
-        # Models with their own layout (sliding layers, SSM state) keep it; only plain KVCache
-        # layers become rotating.
-        caches = model.make_cache()
-        return [
-            lm_cache.RotatingKVCache(max_size=max_kv_size, keep=keep) if type(c) is lm_cache.KVCache else c
-            for c in caches
-        ]
-    return [lm_cache.RotatingKVCache(max_size=max_kv_size, keep=keep) for _ in model.layers]
+    return replace_kv_caches(model, lambda: lm_cache.RotatingKVCache(max_size=max_kv_size, keep=keep))
