@@ -2,7 +2,6 @@
 updates and trims, writes happen in place, untouched pages stay uncommitted, trim gives pages
 back, and bad sizes / overflows are clear ValueErrors."""
 
-import ctypes
 import sys
 
 import mlx_h2o  # noqa: F401  isort: skip
@@ -17,7 +16,7 @@ from mlx_lm.models import llama
 from mlx_h2o import _ext, make_cache
 from mlx_h2o.buffers import ReservedBuffer
 from mlx_h2o.caches.reserved import ReservedKVCache
-from mlx_h2o.evaluation.memory import _current_rss_bytes
+from mlx_h2o.evaluation.memory import _current_rss_bytes, resident_bytes
 
 PAGE = _ext.page_size()
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page release and mincore are Linux-only")
@@ -31,14 +30,7 @@ def _address(a: mx.array) -> int:
 
 
 def _resident_pages(a: mx.array) -> int:
-    """Pages of `a`'s bytes that are in RAM (mincore), counted exactly for this range only."""
-    start = _address(a)
-    first = start - start % PAGE
-    n = (start + a.nbytes - first + PAGE - 1) // PAGE
-    vec = (ctypes.c_ubyte * n)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(n * PAGE), vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec)
+    return resident_bytes(a) // PAGE
 
 
 def _np(a):
@@ -94,6 +86,8 @@ def test_uninitialized_shapes_and_dtypes(dtype):
     for shape in ([0], [3], [2, 0, 5], [PAGE + 3], [2, 3, 700, 16]):
         a = _ext.uninitialized(shape, dtype)
         assert a.shape == tuple(shape) and a.dtype == dtype
+        if a.nbytes >= PAGE and dtype != mx.bfloat16:  # (NumPy cannot view bfloat16)
+            assert _address(a) % PAGE == 0
         x = mx.random.uniform(shape=shape) > 0.5 if dtype == mx.bool_ else (mx.random.normal(shape) * 10).astype(dtype)
         a[...] = x
         assert mx.array_equal(a, x).item()
@@ -288,6 +282,11 @@ def test_to_quantized_and_trim_protocol():
     assert isinstance(q, lm_cache.QuantizedKVCache) and q.offset == 3
     deq = mx.dequantize(*q.keys, group_size=32, bits=8)
     assert np.allclose(np.array(deq), np.array(cache[0].keys), atol=0.05)
+    other = make_cache(model, "reserved", max_context=64)
+    mx.eval(model(mx.array([[7, 8]]), cache=other))
+    batch = cache[0].merge([cache[0], other[0]])  # what mlx-lm's batched generation does
+    assert isinstance(batch, lm_cache.BatchKVCache) and batch.keys.shape[2] == 3
+    assert np.array_equal(np.array(batch.keys[1:, :, 1:]), np.array(other[0].keys))
 
 
 def test_past_max_context_raises_and_leaves_the_cache_unchanged():
@@ -339,3 +338,12 @@ def test_trim_and_reset_give_pages_back():
     del held
     cache.reset()
     assert _resident_pages(cache._keys._data) == 0 and cache.offset == 0 and cache.nbytes == 0
+
+
+def test_cli_generate_passes_max_context():
+    from mlx_h2o import cli
+
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--cache", "reserved", "--max-context", "64"])
+    assert cli._cache_options(args) == {"max_context": 64}
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--cache", "rotating", "--max-kv-size", "8"])
+    assert cli._cache_options(args) == {"max_kv_size": 8}

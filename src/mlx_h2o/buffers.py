@@ -72,7 +72,9 @@ class ReservedBuffer:
     def _reserve(self, like: mx.array):
         B, H, _, D = like.shape
         capacity = _aligned_capacity(self.capacity, D * like.dtype.size)
-        self._data = _ext.uninitialized([B, H, capacity, D], like.dtype)
+        # Allocated on the CPU stream (the op has no GPU kernel to run); with unified memory the
+        # array is as usable from GPU ops as any other.
+        self._data = _ext.uninitialized([B, H, capacity, D], like.dtype, stream=mx.cpu)
         # Evaluated now, so a failed allocation surfaces here rather than deep inside a later eval.
         mx.eval(self._data)
 

@@ -65,6 +65,8 @@ class ReservedKVCache(lm_cache._BaseCache):
     make_mask = lm_cache.KVCache.make_mask
     to_quantized = lm_cache.KVCache.to_quantized
     nbytes = lm_cache.KVCache.nbytes
+    # Batched generation merges per-sequence caches into mlx-lm's BatchKVCache (a copy).
+    merge = lm_cache.KVCache.merge
 
     @property
     def reserved_nbytes(self) -> int:
