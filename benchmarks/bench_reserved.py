@@ -19,6 +19,7 @@
    vs the same scheme over ReservedBuffers; an H2O-like bounded cache (budget 1024 + 64 slack,
    gather-compaction to the budget whenever the slack fills) over mlx-lm KVCache storage vs a
    ReservedBuffer written in place.
+0. Where MLX's CPU allocator gets a large buffer, and whether it arrives with committed pages.
 4. Why the buffers are head-major: one decode step's attention over a head-major buffer vs a
    token-major one viewed head-major.
 """
@@ -239,6 +240,56 @@ def real_decode(steps, prefill=32):
     }
 
 
+# --- part 0: where MLX's CPU allocator gets a large buffer ------------------------------------------
+
+
+def allocator_probe(sizes_mib=(1, 12, 48)):
+    """For each size: write a buffer and free it (optionally then mx.clear_cache()), then reserve
+    one of about the same size. Does the reservation land on the freed memory while its pages are
+    still committed (dirty)? The reservation's own resident bytes show what `uninitialized` leaves
+    committed after giving the pages back."""
+    import ctypes
+
+    from mlx_h2o import _ext
+    from mlx_h2o.evaluation.memory import array_address, resident_range
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    sbrk = ctypes.CDLL(None).sbrk
+    sbrk.restype = ctypes.c_void_p
+    rows = []
+    for mib in sizes_mib:
+        n = mib * MiB
+        for clear in (False, True):
+            # Two pages larger: `uninitialized` asks for one spare page, and MLX's cache hands out
+            # a buffer for any request between its size and twice that (or two pages more).
+            old_bytes = n + 2 * page
+            old = mx.zeros([old_bytes], mx.uint8)
+            mx.eval(old)
+            old_at = array_address(old)
+            del old
+            if clear:
+                mx.clear_cache()
+            held_by_mlx = mx.get_cache_memory() >= old_bytes
+            dirty = resident_range(old_at, old_bytes)  # None: unmapped, given back to the OS
+            new = _ext.uninitialized([n], mx.uint8)
+            new_at = array_address(new)
+            lands = old_at - page <= new_at < old_at + old_bytes
+            rows.append(
+                {
+                    "MiB": mib,
+                    "freed buffer, then": "mx.clear_cache()" if clear else "nothing",
+                    "held in MLX's buffer cache": held_by_mlx,
+                    "its pages still committed MiB": "unmapped" if dirty is None else f"{dirty / MiB:.1f}",
+                    "reservation reuses that committed memory": bool(lands and dirty),
+                    "reservation from": "heap (brk)" if new_at < sbrk(0) else "mmap",
+                    "reservation resident after uninitialized MiB": f"{resident_range(new_at, n) / MiB:.2f}",
+                }
+            )
+            del new
+            mx.clear_cache()
+    return rows
+
+
 # --- part 4: why the buffers are head-major -----------------------------------------------------------
 
 
@@ -275,39 +326,139 @@ def attention_layout(contexts, reps=20):
 # --- report ----------------------------------------------------------------------------------------
 
 
-def plot(memory, decode, path):
+def structural_steps(kind, n_steps):
+    """Step indices at which a storage does its periodic extra work: KVCache-style growth (the
+    cache holds a multiple of 256 tokens and gets one more) or the H2O-like compaction. The same
+    indices are used for the reserved counterpart, so the pair compares like with like."""
+    if kind.startswith("h2o-like/"):
+        first = H2OLikeStorage().budget + H2OLikeStorage().slack
+        return [t for t in range(first, n_steps) if (t - first) % H2OLikeStorage().slack == 0]
+    return [t for t in range(1, n_steps) if t % lm_cache.KVCache.step == 0]
+
+
+def plot(results, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    memory, decode = results.get("memory") or [], results.get("decode")
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    (rss_ax, active_ax), (update_ax, decode_ax) = axes
     for r in memory:
         s = r["series"]
         x = [p["tokens"] for p in s]
-        axes[0].plot(x, [p["rss_growth_bytes"] / MiB for p in s], label=r["kind"])
-        axes[1].plot(x, [p["mlx_active_bytes"] / MiB for p in s], label=r["kind"])
-    s = memory[0]["series"]
-    axes[0].plot([p["tokens"] for p in s], [p["written_bytes"] / MiB for p in s], "k:", label="bytes written")
-    for ax, title in zip(axes[:2], ("process RSS growth", "MLX active memory")):
+        rss_ax.plot(x, [p["rss_growth_bytes"] / MiB for p in s], label=r["kind"])
+        active_ax.plot(x, [p["mlx_active_bytes"] / MiB for p in s], label=r["kind"])
+        update_ax.plot(np.arange(1, len(r["step_ms"]) + 1), r["step_ms"], linewidth=0.5, label=r["kind"])
+    if memory:
+        s = memory[0]["series"]
+        rss_ax.plot([p["tokens"] for p in s], [p["written_bytes"] / MiB for p in s], "k:", label="bytes written")
+    for ax, title in ((rss_ax, "process RSS growth"), (active_ax, "MLX active memory")):
         ax.set_xlabel("tokens in the cache")
         ax.set_ylabel("MiB")
         ax.set_title(f"{title} (SmolLM2 KV shapes, fp32)")
+    update_ax.set_yscale("log")
+    update_ax.set_xlabel("tokens in the cache")
+    update_ax.set_ylabel("ms per step (30 layers' K/V updates)")
+    update_ax.set_title("cache update latency, synthetic decode")
+    if decode:
+        growth = decode["growth_steps"]
+        for name, ms in decode["step_ms"].items():
+            x = np.arange(len(ms)) + decode["prefill"] + 1
+            line = decode_ax.plot(x, ms, linewidth=0.4, alpha=0.7, label=name)[0]
+            decode_ax.plot(x[growth], np.asarray(ms)[growth], "o", color=line.get_color(), markersize=4)
+        decode_ax.set_yscale("log")
+        decode_ax.set_xlabel("context (tokens); dots: KVCache's growth steps")
+        decode_ax.set_ylabel("ms per decode step")
+        decode_ax.set_title("SmolLM2 decode step latency, lockstep (shared machine)")
+    else:
+        decode_ax.axis("off")
+    for ax in (rss_ax, active_ax, update_ax, decode_ax):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    if decode:
-        for name, ms in decode["step_ms"].items():
-            axes[2].plot(np.arange(len(ms)) + decode["prefill"], ms, linewidth=0.6, label=name)
-        axes[2].set_xlabel("context (tokens)")
-        axes[2].set_ylabel("ms per decode step")
-        axes[2].set_title("SmolLM2 decode step latency (lockstep)")
-        axes[2].grid(True, alpha=0.3)
-        axes[2].legend(fontsize=8)
-    else:
-        axes[2].axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def report(results):
+    page = os.sysconf("SC_PAGE_SIZE")
+    if results.get("probe"):
+        probe = results["probe"]
+        print("\n## MLX's CPU allocator: does a new reservation reuse freed, still-committed memory?\n")
+        print(markdown_table(list(probe[0]), [[str(v) for v in r.values()] for r in probe]))
+
+    memory = results.get("memory") or []
+    if memory:
+        mrows, lrows = [], []
+        for r in memory:
+            end, half = r["series"][-1], r["series"][len(r["series"]) // 2 - 1]
+            # Committed beyond what was written, worst sample of the run, in pages per (layer, K/V).
+            over = [(p["resident_bytes"] - p["written_bytes"]) / page / (LAYERS * 2) for p in r["series"] if p["resident_bytes"] is not None]
+            mrows.append(
+                [r["kind"], f"{half['tokens']}", f"{half['written_bytes'] / MiB:.1f}", f"{half['rss_growth_bytes'] / MiB:.1f}",
+                 f"{half['mlx_active_bytes'] / MiB:.1f}", f"{end['tokens']}", f"{end['written_bytes'] / MiB:.1f}",
+                 f"{end['rss_growth_bytes'] / MiB:.1f}", f"{end['resident_bytes'] / MiB:.1f}" if end["resident_bytes"] is not None else "n/a",
+                 f"{max(over):.2f}" if over else "n/a", f"{end['mlx_active_bytes'] / MiB:.1f}"]
+            )
+            lrows.append(latency_row(r))
+        print("\n## Memory vs tokens (SmolLM2 KV shapes, one token per step, each cache in its own process)\n")
+        print(
+            markdown_table(
+                ["cache", "tokens", "written MiB", "RSS growth MiB", "MLX active MiB", "tokens", "written MiB", "RSS growth MiB",
+                 "resident in cache buffers MiB", "max (resident - written), pages per (layer, K/V)", "MLX active MiB"],
+                mrows,
+            )
+        )
+        print("\n## Update latency in those runs (all 30 layers' K/V writes of one step)\n")
+        print(markdown_table(LATENCY_HEADERS, lrows))
+
+    storage = results.get("storage") or []
+    if storage:
+        rows = [[*latency_row(r)[:1], f"{max(p['rss_growth_bytes'] for p in r['series']) / MiB:.1f}",
+                 f"{r['series'][-1]['mlx_active_bytes'] / MiB:.1f}", *latency_row(r)[1:],
+                 f"{float(np.sum(r['step_ms'])) / 1e3:.1f}"] for r in storage]
+        print("\n## As storage under other caches (synthetic updates, SmolLM2 KV shapes)\n")
+        print(markdown_table([LATENCY_HEADERS[0], "peak RSS growth MiB", "MLX active MiB at end", *LATENCY_HEADERS[1:], "total s"], rows))
+
+    decode = results.get("decode")
+    if decode:
+        growth = decode["growth_steps"]
+        ref_p50 = latency_stats(decode["step_ms"]["KVCache"])["p50_ms"]
+        rows = []
+        for name, ms in decode["step_ms"].items():
+            st = latency_stats(ms)
+            at_growth = np.median(np.asarray(ms)[growth]) if growth else float("nan")
+            rows.append([name, f"{st['p50_ms']:.1f}", f"{st['p99_ms']:.1f}", f"{st['p999_ms']:.1f}", f"{st['max_ms']:.1f}",
+                         f"{st['p99_over_p50']:.2f}", f"{at_growth:.1f}", f"{st['p50_ms'] / ref_p50:.3f}"])
+        print(f"\n## Real-model decode: SmolLM2, {decode['steps']} steps after a {decode['prefill']}-token prefill, lockstep\n")
+        print(markdown_table(["cache", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "p99/p50",
+                              f"median ms at KVCache's {len(growth)} growth steps", "p50 vs KVCache"], rows))
+        # Lockstep pairs share the machine's noise: the paired difference isolates the growth cost.
+        diff = np.array(decode["step_ms"]["KVCache"]) - np.array(decode["step_ms"]["reserved"])
+        is_growth = np.isin(np.arange(len(diff)), growth)
+        if is_growth.any():
+            print(f"\nKVCache minus reserved, same step: median {np.median(diff[is_growth]):+.1f} ms at KVCache's growth "
+                  f"steps, {np.median(diff[~is_growth]):+.1f} ms at the others")
+        print(f"max |logit difference| KVCache vs reserved (every 64th step): {decode['max_abs_logit_diff']:.3g}")
+
+    layout = results.get("layout") or []
+    if layout:
+        print("\n## One decode step's attention over the live prefix, by buffer layout (MLX fast SDPA, CPU)\n")
+        print(markdown_table(["context", "buffer layout", "median ms", "MLX peak growth MiB"],
+                             [[r["context"], r["layout"], f"{r['ms']:.2f}", f"{r['peak_growth_bytes'] / MiB:.1f}"] for r in layout]))
+
+
+LATENCY_HEADERS = ["cache", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "p99/p50", "median ms at growth / compaction steps", "that / p50"]
+
+
+def latency_row(r):
+    st = latency_stats(r["step_ms"])
+    steps = structural_steps(r["kind"], len(r["step_ms"]))
+    at = float(np.median(np.asarray(r["step_ms"])[steps])) if steps else float("nan")
+    return [r["kind"], f"{st['p50_ms']:.2f}", f"{st['p99_ms']:.2f}", f"{st['p999_ms']:.1f}", f"{st['max_ms']:.1f}",
+            f"{st['p99_over_p50']:.2f}", f"{at:.1f}", f"{at / st['p50_ms']:.1f}"]
 
 
 def main():
@@ -319,115 +470,35 @@ def main():
     ap.add_argument("--kinds", nargs="*", default=["KVCache", "preallocated", "reserved"])
     ap.add_argument("--storage-kinds", nargs="*", default=["QuantizedKVCache", "reserved-quantized", "h2o-like/KVCache", "h2o-like/reserved"])
     ap.add_argument("--layout-contexts", nargs="*", type=int, default=[4096, 16384], help="contexts for the layout comparison")
+    ap.add_argument("--no-allocator-probe", dest="allocator_probe", action="store_false")
     ap.add_argument("--plot", default="reserved.png")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="save every measurement here")
+    ap.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: report (and plot) saved runs; later files fill in what earlier ones lack")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(memory_worker(args.worker, args.tokens, args.every)))
         return
-    print(f"BLAS: {mlx_h2o.blas_backend()}  page: {os.sysconf('SC_PAGE_SIZE')} B  MLX {mx.__version__}")
     print(f"command: PYTHONPATH=src python3 benchmarks/{os.path.basename(__file__)} " + " ".join(sys.argv[1:]))
-
-    memory = [run_worker_subprocess(k, args.tokens, args.every) for k in tqdm(args.kinds, desc="memory runs", file=sys.stderr)]
-    page = os.sysconf("SC_PAGE_SIZE")
-    rows = []
-    for r in memory:
-        end = r["series"][-1]
-        half = r["series"][len(r["series"]) // 2 - 1]
-        st = latency_stats(r["step_ms"])
-        # Committed beyond what was written, worst sample of the run, in pages per (layer, K/V).
-        over = [(p["resident_bytes"] - p["written_bytes"]) / page / (LAYERS * 2) for p in r["series"] if p["resident_bytes"] is not None]
-        slack = max(over) if over else float("nan")
-        rows.append(
-            [
-                r["kind"],
-                f"{half['tokens']}",
-                f"{half['rss_growth_bytes'] / MiB:.1f}",
-                f"{half['mlx_active_bytes'] / MiB:.1f}",
-                f"{end['tokens']}",
-                f"{end['written_bytes'] / MiB:.1f}",
-                f"{end['rss_growth_bytes'] / MiB:.1f}",
-                f"{end['resident_bytes'] / MiB:.1f}" if end["resident_bytes"] is not None else "n/a",
-                f"{slack:.2f}",
-                f"{end['mlx_active_bytes'] / MiB:.1f}",
-                f"{st['p50_ms']:.2f}",
-                f"{st['p99_ms']:.2f}",
-                f"{st['max_ms']:.1f}",
-                f"{st['p99_over_p50']:.2f}",
-            ]
-        )
-    if rows:
-        print("\n## Memory vs tokens (SmolLM2 KV shapes, one token per step, each cache in its own process)\n")
-        print(
-            markdown_table(
-                ["cache", "tokens", "RSS growth MiB", "MLX active MiB", "tokens", "written MiB", "RSS growth MiB",
-                 "resident in cache buffers MiB", "max (resident - written) pages per (layer, K/V)", "MLX active MiB",
-                 "update p50 ms", "update p99 ms", "update max ms", "p99/p50"],
-                rows,
-            )
-        )
-
-    storage = [run_worker_subprocess(k, args.tokens, args.every) for k in tqdm(args.storage_kinds, desc="storage runs", file=sys.stderr)]
-    srows = []
-    for r in storage:
-        end = r["series"][-1]
-        peak_rss = max(p["rss_growth_bytes"] for p in r["series"])
-        st = latency_stats(r["step_ms"])
-        srows.append(
-            [r["kind"], f"{end['tokens']}", f"{peak_rss / MiB:.1f}", f"{end['mlx_active_bytes'] / MiB:.1f}",
-             f"{st['p50_ms']:.2f}", f"{st['p99_ms']:.2f}", f"{st['max_ms']:.1f}", f"{st['p99_over_p50']:.2f}",
-             f"{st['max_over_p50']:.1f}", f"{float(np.sum(r['step_ms'])) / 1e3:.1f}"]
-        )
-    if storage:
-        print("\n## As storage under other caches (synthetic updates, SmolLM2 KV shapes)\n")
-        print(
-            markdown_table(
-                ["storage", "tokens", "peak RSS growth MiB", "MLX active MiB at end", "update p50 ms", "p99 ms",
-                 "max ms", "p99/p50", "max/p50", "total s"],
-                srows,
-            )
-        )
-
-    decode = None
-    if args.decode_steps > 0:
-        decode = real_decode(args.decode_steps)
-        growth = set(decode["growth_steps"])
-        drows = []
-        ref_p50 = latency_stats(decode["step_ms"]["KVCache"])["p50_ms"]
-        for name, ms in decode["step_ms"].items():
-            st = latency_stats(ms)
-            at_growth = [m for i, m in enumerate(ms) if i in growth]
-            drows.append(
-                [name, f"{st['p50_ms']:.1f}", f"{st['p99_ms']:.1f}", f"{st['p999_ms']:.1f}", f"{st['max_ms']:.1f}",
-                 f"{st['p99_over_p50']:.2f}", f"{st['max_over_p50']:.2f}",
-                 f"{np.median(at_growth):.1f}" if at_growth else "-", f"{st['p50_ms'] / ref_p50:.3f}"]
-            )
-        print(f"\n## Real-model decode: SmolLM2, {decode['steps']} steps after a {decode['prefill']}-token prefill, lockstep\n")
-        print(
-            markdown_table(
-                ["cache", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "p99/p50", "max/p50",
-                 f"median ms at KVCache's {len(growth)} growth steps", "p50 vs KVCache"],
-                drows,
-            )
-        )
-        print(f"\nmax |logit difference| KVCache vs reserved (every 64th step): {decode['max_abs_logit_diff']:.3g}")
-
-    layout = attention_layout(args.layout_contexts) if args.layout_contexts else []
-    if layout:
-        print("\n## One decode step's attention over the live prefix, by buffer layout (MLX fast SDPA, CPU)\n")
-        print(
-            markdown_table(
-                ["context", "buffer layout", "median ms", "MLX peak growth MiB"],
-                [[r["context"], r["layout"], f"{r['ms']:.2f}", f"{r['peak_growth_bytes'] / MiB:.1f}"] for r in layout],
-            )
-        )
-
-    if args.plot and memory:
-        plot(memory, decode, args.plot)
+    if args.from_json:
+        results = {}
+        for path in args.from_json:
+            with open(path) as f:
+                results.update({k: v for k, v in json.load(f).items() if v})
+    else:
+        print(f"BLAS: {mlx_h2o.blas_backend()}  page: {os.sysconf('SC_PAGE_SIZE')} B  MLX {mx.__version__}")
+        results = {"probe": allocator_probe() if args.allocator_probe else []}
+        results["memory"] = [run_worker_subprocess(k, args.tokens, args.every) for k in tqdm(args.kinds, desc="memory runs", file=sys.stderr)]
+        results["storage"] = [run_worker_subprocess(k, args.tokens, args.every) for k in tqdm(args.storage_kinds, desc="storage runs", file=sys.stderr)]
+        results["decode"] = real_decode(args.decode_steps) if args.decode_steps > 0 else None
+        results["layout"] = attention_layout(args.layout_contexts) if args.layout_contexts else []
+        if args.json:
+            write_json(args.json, results)
+    report(results)
+    if args.plot and (results.get("memory") or results.get("decode")):
+        plot(results, args.plot)
         print(f"\nplot: {args.plot}")
-    if args.json:
-        write_json(args.json, {"memory": memory, "storage": storage, "decode": decode, "layout": layout})
 
 
 if __name__ == "__main__":

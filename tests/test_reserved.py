@@ -16,17 +16,10 @@ from mlx_lm.models import llama
 from mlx_h2o import _ext, make_cache
 from mlx_h2o.buffers import ReservedBuffer
 from mlx_h2o.caches.reserved import ReservedKVCache
-from mlx_h2o.evaluation.memory import _current_rss_bytes, resident_bytes
+from mlx_h2o.evaluation.memory import _current_rss_bytes, array_address, resident_bytes
 
 PAGE = _ext.page_size()
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page release and mincore are Linux-only")
-
-
-def _address(a: mx.array) -> int:
-    view = memoryview(a)  # evaluates `a`; no copy for a contiguous array
-    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    del view
-    return address
 
 
 def _resident_pages(a: mx.array) -> int:
@@ -58,7 +51,7 @@ def test_reservation_commits_no_pages_even_when_the_allocator_recycles():
     mx.eval(dirty)
     del dirty
     a = _ext.uninitialized([n], mx.uint8)
-    assert _address(a) % PAGE == 0
+    assert array_address(a) % PAGE == 0
     assert _resident_pages(a) == 0
     a[: 10 * PAGE + 1] = mx.ones([10 * PAGE + 1], mx.uint8)
     mx.eval(a)
@@ -87,7 +80,7 @@ def test_uninitialized_shapes_and_dtypes(dtype):
         a = _ext.uninitialized(shape, dtype)
         assert a.shape == tuple(shape) and a.dtype == dtype
         if a.nbytes >= PAGE and dtype != mx.bfloat16:  # (NumPy cannot view bfloat16)
-            assert _address(a) % PAGE == 0
+            assert array_address(a) % PAGE == 0
         x = mx.random.uniform(shape=shape) > 0.5 if dtype == mx.bool_ else (mx.random.normal(shape) * 10).astype(dtype)
         a[...] = x
         assert mx.array_equal(a, x).item()
@@ -226,7 +219,7 @@ def test_writes_in_place_and_never_copy_the_buffer():
     keys, values = cache.update_and_fetch(k, v)
     mx.eval(keys, values)
     del keys, values
-    address = _address(cache._keys._data)
+    address = array_address(cache._keys._data)
     buffer_bytes = cache._keys._data.nbytes
     for _ in range(300):
         k, v = mx.random.normal([1, 3, 1, 64]), mx.random.normal([1, 3, 1, 64])
@@ -238,7 +231,7 @@ def test_writes_in_place_and_never_copy_the_buffer():
         # A copy of the buffer would allocate a second one of the same size.
         assert mx.get_peak_memory() - before < buffer_bytes // 4
         del keys, values
-    assert _address(cache._keys._data) == address
+    assert array_address(cache._keys._data) == address
 
 
 def test_generation_matches_full_cache_and_stays_in_place():
@@ -249,7 +242,7 @@ def test_generation_matches_full_cache_and_stays_in_place():
     addresses, tokens = set(), []
     for t, _ in generate_step(prompt, model, max_tokens=40, prompt_cache=cache):
         tokens.append(t)
-        addresses.add(_address(cache[0]._keys._data))
+        addresses.add(array_address(cache[0]._keys._data))
     assert tokens == ref
     assert len(addresses) == 1
     # generate_step computes one step ahead, so the cache holds prompt + 40 tokens.
