@@ -49,7 +49,22 @@ NB_MODULE(_ext, m) {
         return mlx_h2o::uninitialized(mx::Shape(shape.begin(), shape.end()), dtype, s);
       },
       "shape"_a, "dtype"_a, nb::kw_only(), "stream"_a = nb::none(),
-      "Allocate an array without initialising it (pages are committed on first write).");
+      "Allocate an array without initialising it. Arrays of at least one page start on a page\n"
+      "boundary and hold no committed pages until written (the OS commits each page on its first\n"
+      "write), even when MLX's allocator recycles a buffer.");
+
+  m.def(
+      "release_pages",
+      // By reference: the caller's own array, so its reference count says whether anyone else
+      // can observe the buffer.
+      [](mx::array& a, int64_t start, int axis) { return mlx_h2o::release_pages(a, axis, start); },
+      "a"_a, "start"_a, nb::kw_only(), "axis"_a = -2,
+      "Give the OS back the whole pages of a[..., start:, ...] (start along `axis`) and return the\n"
+      "number of bytes released; those elements' contents become unspecified (zero on Linux).\n"
+      "`a` is evaluated first and must be row-contiguous. Releases nothing (returns 0) while another\n"
+      "array shares the buffer or waits to read it, or where the OS cannot (not Linux).");
+  m.def("page_size", &mlx_h2o::page_size, "Bytes per page of the OS's virtual memory.");
+
 
   m.def("scaled_dot_product_attention_with_scores", &mlx_h2o::scaled_dot_product_attention_with_scores, "q"_a,
         "k"_a, "v"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(),

@@ -31,7 +31,8 @@ def _positive_int(text):
 
 
 def _cache_options(args) -> dict:
-    return {"max_kv_size": args.max_kv_size} if args.max_kv_size is not None else {}
+    options = {"max_kv_size": args.max_kv_size, "max_context": args.max_context}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def _attention_desc() -> str:
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=_positive_int, default=256)
     g.add_argument("--cache", default="full", choices=policies, help="KV cache policy")
     g.add_argument("--max-kv-size", type=_positive_int, default=None, help="KV budget in tokens for bounded policies")
+    g.add_argument("--max-context", type=_positive_int, default=None, help="tokens reserved by the 'reserved' policy (default: the model's context length)")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="perplexity / speed / memory of several policies on identical tokens")

@@ -23,8 +23,8 @@ def register_cache_class(cls):
     from mlx_lm.models import cache as lm_cache
 
     existing = getattr(lm_cache, cls.__name__, None)
-    if existing is not None and existing is not cls:
-        raise RuntimeError(f"mlx_lm.models.cache already has a different {cls.__name__}")
+    if existing is not None and existing.__module__ != cls.__module__:
+        raise RuntimeError(f"mlx_lm.models.cache already has a {cls.__name__} ({existing.__module__})")
     setattr(lm_cache, cls.__name__, cls)
     return cls
 
@@ -46,4 +46,4 @@ def make_cache(model, policy: str = "full", **options):
     return POLICIES[policy](model, **options)
 
 
-from . import baseline, quantized, rotated  # noqa: E402,F401  (register their policies)
+from . import baseline, quantized, reserved, rotated  # noqa: E402,F401  (register their policies)
