@@ -2,24 +2,45 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/ops.h"
-
 #include "mlx/version.h"
 
+#include "attention_with_scores.h"
+#include "parallel.h"
+#include "quantized_scaled_dot_product_attention_with_scores.h"
+#include "scaled_dot_product_attention_with_scores.h"
 #include "uninitialized.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
 using namespace nb::literals;
 
+namespace {
+
+// (k arrays, k bits, k group size, v arrays, v bits, v group size); one array = dense.
+using SegmentTuple = std::tuple<std::vector<mx::array>, int, int, std::vector<mx::array>, int, int>;
+
+std::vector<mlx_h2o::SegmentInput> to_segments(const std::vector<SegmentTuple>& segments) {
+  std::vector<mlx_h2o::SegmentInput> out;
+  for (const auto& [k, kb, kg, v, vb, vg] : segments)
+    out.push_back({mlx_h2o::KVInput{k, kb, kg}, mlx_h2o::KVInput{v, vb, vg}});
+  return out;
+}
+
+}  // namespace
+
 NB_MODULE(_ext, m) {
   m.doc() = "mlx-h2o C++ kernels (MLX extension ops)";
   m.attr("built_with_mlx") = MLX_H2O_BUILT_WITH_MLX;
   m.def("linked_mlx_version", []() { return std::string(mlx::core::version()); },
         "Version string of the libmlx this extension is running against.");
+  m.def("kernel_isa", []() { return std::string(mlx_h2o::attention_cpu_isa()); },
+        "The instruction-set variant of the CPU kernels in use on this machine.");
+  m.def("kernel_threads", &mlx_h2o::kernel_threads, "Threads the CPU kernels use (MLX_H2O_NUM_THREADS).");
 
   m.def(
       "uninitialized",
@@ -28,5 +49,39 @@ NB_MODULE(_ext, m) {
         return mlx_h2o::uninitialized(mx::Shape(shape.begin(), shape.end()), dtype, s);
       },
       "shape"_a, "dtype"_a, nb::kw_only(), "stream"_a = nb::none(),
-      "Allocate an array without initialising it (pages are committed on first write).");
+      "Allocate an array without initialising it. Arrays of at least one page start on a page\n"
+      "boundary and hold no committed pages until written (the OS commits each page on its first\n"
+      "write), even when MLX's allocator recycles a buffer.");
+
+  m.def(
+      "release_pages",
+      // By reference: the caller's own array, so its reference count says whether anyone else
+      // can observe the buffer.
+      [](mx::array& a, int64_t start, int axis) { return mlx_h2o::release_pages(a, axis, start); },
+      "a"_a, "start"_a, nb::kw_only(), "axis"_a = -2,
+      "Give the OS back the whole pages of a[..., start:, ...] (start along `axis`) and return the\n"
+      "number of bytes released; those elements' contents become unspecified (zero on Linux).\n"
+      "`a` is evaluated first and must be row-contiguous. Releases nothing (returns 0) while another\n"
+      "array shares the buffer or waits to read it, or where the OS cannot (not Linux).");
+  m.def("page_size", &mlx_h2o::page_size, "Bytes per page of the OS's virtual memory.");
+
+
+  m.def("scaled_dot_product_attention_with_scores", &mlx_h2o::scaled_dot_product_attention_with_scores, "q"_a,
+        "k"_a, "v"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(),
+        "stream"_a = nb::none(), "Fused attention + scores (Python API: mlx_h2o.scaled_dot_product_attention_with_scores).");
+  m.def("quantized_scaled_dot_product_attention_with_scores",
+        &mlx_h2o::quantized_scaled_dot_product_attention_with_scores, "q"_a, "k_q"_a, "v_q"_a, "scale"_a, "bits"_a,
+        "group_size"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "stream"_a = nb::none(),
+        "Fused attention + scores over packed K/V (Python API: mlx_h2o.quantized_scaled_dot_product_attention_with_scores).");
+  m.def(
+      "attention_with_scores",
+      [](const mx::array& q, const std::vector<SegmentTuple>& segments, float scale, const std::string& mask_mode,
+         const std::optional<mx::array>& mask, const std::string& scores, const std::optional<mx::array>& sinks,
+         bool composed, mx::StreamOrDevice s) {
+        auto segs = to_segments(segments);
+        return composed ? mlx_h2o::attention_with_scores_composed(q, segs, scale, mask_mode, mask, scores, sinks, s)
+                        : mlx_h2o::attention_with_scores(q, segs, scale, mask_mode, mask, scores, sinks, s);
+      },
+      "q"_a, "segments"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "composed"_a,
+      "stream"_a = nb::none(), "Fused attention over K/V segments (Python API: mlx_h2o.attention.attention_with_scores).");
 }

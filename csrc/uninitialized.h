@@ -1,6 +1,24 @@
-// An array whose memory is allocated but never written: untouched pages stay uncommitted,
-// so a large reservation costs address space, not RSS, until tokens are written into it.
+// Reserve memory that costs address space, not RSS, until it is written; give pages back later.
+//
+// `uninitialized` allocates an array without writing it. MLX's CPU allocator gets large buffers
+// from malloc (fresh mmap'd pages, uncommitted), but it also recycles freed buffers from its own
+// buffer cache, and glibc recycles heap chunks: both hand back pages that are already committed
+// and dirty. So the op returns the array's whole pages to the OS (madvise(MADV_DONTNEED) on Linux)
+// right after allocating: whatever the allocator handed out, untouched pages are uncommitted, and
+// the OS commits each page on its first write. The data starts on a page boundary, so a buffer
+// written front to back commits exactly the pages its written bytes span.
+//
+// The memory stays owned by MLX's allocator, which is what lets MLX donate the buffer: a
+// slice_update into it then writes in place (an array wrapping external memory is never donated,
+// so every update would copy the whole buffer).
+//
+// `release_pages` gives back the pages of a[..., start:, ...] (along one axis) once those elements
+// are dead, e.g. after a KV cache is trimmed. It acts only when no other array can observe the
+// buffer, i.e. when MLX itself would be allowed to overwrite it.
 #pragma once
+
+#include <cstddef>
+#include <cstdint>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -9,17 +27,30 @@ namespace mlx_h2o {
 
 namespace mx = mlx::core;
 
-/** Allocate an array of `shape` and `dtype` without initialising its contents. */
+/** Allocate an array of `shape` and `dtype` without initialising its contents. Arrays of at
+ * least one page start on a page boundary and hold no committed pages until written. */
 mx::array uninitialized(const mx::Shape& shape, mx::Dtype dtype, mx::StreamOrDevice s = {});
+
+/** Give the OS back the whole pages of `a[..., start:, ...]` (`start` along `axis`); return the
+ * number of bytes released. Those elements' contents become unspecified (zero on Linux).
+ *
+ * `a` is evaluated first. It must be row-contiguous and own a dense buffer. Nothing is released
+ * (the result is 0) while another array shares the buffer or waits to read it (`a` is not
+ * donatable), or where the platform cannot release pages (not Linux). */
+size_t release_pages(mx::array& a, int axis, int64_t start);
+
+/** Bytes per page of the OS's virtual memory. */
+size_t page_size();
 
 class Uninitialized : public mx::UnaryPrimitive {
  public:
-  Uninitialized(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  explicit Uninitialized(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
 
   const char* name() const override { return "Uninitialized"; }
+  // Never equivalent to another node: two reservations must not be merged by graph simplification.
   bool is_equivalent(const mx::Primitive& other) const override { return false; }
 };
 

@@ -8,6 +8,10 @@ py=${PYTHON:-python3}
 "$py" -c "import mlx.core, nanobind" 2>/dev/null || "$py" -m pip install --quiet "nanobind>=3,<4" "mlx[cpu]>=0.32.4,<0.33"
 cmake -S . -B build/dev -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$py")" >/dev/null
 cmake --build build/dev -j "$(nproc)"
-cp build/dev/_ext*.so src/mlx_h2o/
-cp build/dev/libmlx_h2o_blas.so src/mlx_h2o/ 2>/dev/null || true
+# Replace by rename, never in place: a running process keeps its mapping of the old file (overwriting
+# a loaded shared library crashes it).
+for lib in build/dev/_ext*.so build/dev/libmlx_h2o_blas.so; do
+  [ -f "$lib" ] || continue
+  cp "$lib" "src/mlx_h2o/.$(basename "$lib").new" && mv -f "src/mlx_h2o/.$(basename "$lib").new" "src/mlx_h2o/$(basename "$lib")"
+done
 echo "built $(ls src/mlx_h2o/_ext*.so)"

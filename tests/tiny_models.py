@@ -30,8 +30,9 @@ CONFIGS = {
 }
 
 
-def tiny_model(arch: str, seed: int = 0):
-    config = CONFIGS[arch]
+def tiny_model(arch: str, seed: int = 0, **overrides):
+    """A tiny model of `arch` (a CONFIGS key); `overrides` change its config (e.g. head_dim=64)."""
+    config = {**CONFIGS[arch], **overrides}
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))

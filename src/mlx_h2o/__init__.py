@@ -14,9 +14,25 @@ from ._version_check import check_extension
 
 check_extension(_ext.built_with_mlx)
 
-from .attention import scaled_dot_product_attention_with_scores  # noqa: E402
+from .attention import (  # noqa: E402
+    PackedKV,
+    attention_with_scores,
+    quantized_scaled_dot_product_attention_with_scores,
+    scaled_dot_product_attention_with_scores,
+)
 from .caches import POLICIES, make_cache  # noqa: E402
+from .hook import use_fast_cpu_attention  # noqa: E402
 from .loading import load  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["blas_backend", "load", "make_cache", "POLICIES", "scaled_dot_product_attention_with_scores"]
+__all__ = [
+    "PackedKV",
+    "attention_with_scores",
+    "blas_backend",
+    "load",
+    "make_cache",
+    "POLICIES",
+    "quantized_scaled_dot_product_attention_with_scores",
+    "scaled_dot_product_attention_with_scores",
+    "use_fast_cpu_attention",
+]

@@ -1,44 +1,73 @@
 """`scaled_dot_product_attention_with_scores`: attention that also reports the attention each cached
-position received.
+position received, from the same pass over K and V.
 
-CPU streams run the fused C++ kernel (csrc/); other streams run the composed MLX ops below
-(correct, unfused). The composed path is also the readable definition of what the kernel computes.
+CPU streams run the fused C++ kernel (csrc/kernels/attention_cpu_impl.h: one pass over K/V per kv
+head with an online softmax, GQA without repeating K/V, f16/bf16 or packed 2-8-bit K/V converted in
+registers, threads over heads and key splits). Other streams (GPU) run the composed MLX ops
+(`composed=True`): correct, unfused.
 """
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+
+from . import _ext
 
 SCORE_MODES = ("mass", "logits", None)
 
 
-def _composed(q, k, v, scale, mask, scores, sinks=None):
-    B, Hq, L, D = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    qg = q.astype(mx.float32).reshape(B, Hkv, G, L, D) * scale
-    kf = k.astype(mx.float32)[:, :, None]
-    vf = v.astype(mx.float32)[:, :, None]
-    logits = qg @ kf.swapaxes(-1, -2)  # (B, Hkv, G, L, N)
-    if isinstance(mask, str):
-        rows = mx.arange(N - L, N)[:, None]
-        logits = mx.where(rows >= mx.arange(N)[None], logits, -mx.inf)
-    elif mask is not None:
-        m = mx.broadcast_to(mask, (B, Hq, L, N)).reshape(B, Hkv, G, L, N)
-        logits = mx.where(m, logits, -mx.inf) if m.dtype == mx.bool_ else logits + m.astype(mx.float32)
-    if sinks is not None:
-        # gpt-oss style attention sinks: one extra logit per query head that takes probability mass
-        # but has no value; it is not a cached position, so it gets no score.
-        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, G, 1, 1), (B, Hkv, G, L, 1))
-        probs = mx.softmax(mx.concatenate([sink, logits], axis=-1), axis=-1, precise=True)[..., 1:]
+def _native_args(mask, scores, sinks):
+    if scores not in SCORE_MODES:
+        raise ValueError(f"scores must be one of {SCORE_MODES}, got {scores!r}")
+    if mask is None:
+        mode, array = "", None
+    elif isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask must be None, 'causal' or an mx.array, got {mask!r}")
+        mode, array = "causal", None
+    elif isinstance(mask, mx.array):
+        mode, array = "array", mask
     else:
-        probs = mx.softmax(logits, axis=-1, precise=True)
-    out = (probs @ vf).reshape(B, Hq, L, D).astype(q.dtype)
-    if scores == "mass":
-        return out, probs.sum(axis=(2, 3))
-    if scores == "logits":
-        return out, logits.reshape(B, Hq, L, N)
-    return out, None
+        raise ValueError(f"mask must be None, 'causal' or an mx.array, got {type(mask).__name__}")
+    if sinks is not None and not isinstance(sinks, mx.array):
+        raise ValueError(f"sinks must be None or an mx.array of shape (Hq,), got {type(sinks).__name__}")
+    return mode, array, scores or "", sinks
+
+
+def _check_int(value, name) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _check_scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a number, got {scale!r}")
+    return float(scale)
+
+
+class PackedKV(NamedTuple):
+    """K or V in MLX's affine packed format, as `mx.quantize` returns it, plus how it was packed."""
+
+    packed: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+
+def _segment_source(x, what):
+    if isinstance(x, mx.array):
+        return [x], 0, 0
+    if isinstance(x, PackedKV):
+        return [x.packed, x.scales, x.biases], x.bits, x.group_size
+    raise ValueError(f"{what} must be an mx.array or a PackedKV, got {type(x).__name__}")
+
+
+def _triple(x, name):
+    if not isinstance(x, (tuple, list)) or len(x) != 3 or not all(isinstance(a, mx.array) for a in x):
+        raise ValueError(f"{name} must be a (packed, scales, biases) triple of mx.arrays as mx.quantize returns")
+    return list(x)
 
 
 def scaled_dot_product_attention_with_scores(
@@ -51,17 +80,70 @@ def scaled_dot_product_attention_with_scores(
     scores: Optional[str] = "mass",
     sinks: Optional[mx.array] = None,
     stream=None,
-):
+) -> Tuple[mx.array, Optional[mx.array]]:
     """Attention output plus the attention each cached position received.
 
-    q: (B, Hq, L, D); k, v: (B, Hkv, N, D) with Hq a multiple of Hkv.
+    q: (B, Hq, L, Dk); k: (B, Hkv, N, Dk); v: (B, Hkv, N, Dv); Hq a multiple of Hkv (MHA, GQA, MQA);
+    float32, float16 or bfloat16 (the output has q's dtype).
     mask: None, "causal" (query row i sits at absolute position N - L + i), or a boolean / additive
-    array broadcastable to (B, Hq, L, N).
-    scores: "mass" -> (B, Hkv, N) float32 post-softmax probability summed over the query heads of
-    each kv group and the L rows; "logits" -> (B, Hq, L, N) float32 pre-softmax scores; None -> None.
-    sinks: optional (Hq,) per-head sink logits (gpt-oss): an extra softmax column with no value.
-    Returns (out, scores) with out in q's dtype.
+    array broadcastable to (B, Hq, L, N). A row whose every key is masked outputs zeros.
+    scores: "mass" -> (B, Hkv, N) float32, the post-softmax probability each position received,
+    summed over the query heads of its kv group and the L rows (what H2O accumulates);
+    "logits" -> (B, Hq, L, N) float32 masked pre-softmax logits (q.k * scale + additive mask,
+    -inf where masked); None -> no scores (plain fused attention).
+    sinks: optional (Hq,) sink logits (gpt-oss): an extra softmax column with no value and no score.
+    Returns (out, scores).
     """
-    if scores not in SCORE_MODES:
-        raise ValueError(f"scores must be one of {SCORE_MODES}, got {scores!r}")
-    return _composed(q, k, v, scale, mask, scores, sinks)
+    mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
+    if not isinstance(k, mx.array) or not isinstance(v, mx.array):
+        raise ValueError("k and v must be mx.arrays (for packed K/V use quantized_scaled_dot_product_attention_with_scores)")
+    res = _ext.scaled_dot_product_attention_with_scores(q, k, v, _check_scale(scale), mode, array, score_mode, sinks, stream)
+    return res[0], (res[1] if len(res) > 1 else None)
+
+
+def quantized_scaled_dot_product_attention_with_scores(
+    q: mx.array,
+    k_q,
+    v_q,
+    *,
+    scale: float,
+    bits: int,
+    group_size: int,
+    mask: Optional[Union[str, mx.array]] = None,
+    scores: Optional[str] = "mass",
+    sinks: Optional[mx.array] = None,
+    stream=None,
+) -> Tuple[mx.array, Optional[mx.array]]:
+    """`scaled_dot_product_attention_with_scores` over packed K/V: k_q, v_q are the
+    (packed uint32, scales, biases) triples `mx.quantize(x, group_size, bits)` returns for x of shape
+    (B, Hkv, N, D); bits 2, 3, 4, 5, 6 or 8; group_size 32, 64 or 128. The kernel reads the packed
+    bytes and dequantizes in registers: no dequantized copy of the cache is made."""
+    mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
+    res = _ext.quantized_scaled_dot_product_attention_with_scores(
+        q, _triple(k_q, "k_q"), _triple(v_q, "v_q"), _check_scale(scale), _check_int(bits, "bits"),
+        _check_int(group_size, "group_size"), mode, array, score_mode, sinks, stream,
+    )
+    return res[0], (res[1] if len(res) > 1 else None)
+
+
+def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="mass", sinks=None, composed=False, stream=None):
+    """Attention over several K/V segments taken in order, each an mx.array or a `PackedKV` (e.g.
+    8-bit heavy hitters + a 4-bit recent window, or packed storage + a full-precision residual
+    window), without concatenating them. Scores cover the concatenated positions.
+    composed=True runs the stock-MLX-ops definition instead of the fused kernel."""
+    mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
+        raise ValueError("segments must be a sequence of (k, v) pairs")
+    native = []
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, (tuple, list)) or len(seg) != 2:
+            raise ValueError(f"segments[{i}] must be a (k, v) pair")
+        native.append((*_segment_source(seg[0], f"segments[{i}][0]"), *_segment_source(seg[1], f"segments[{i}][1]")))
+    res = _ext.attention_with_scores(q, native, _check_scale(scale), mode, array, score_mode, sinks, bool(composed), stream)
+    return res[0], (res[1] if len(res) > 1 else None)
+
+
+def attention_with_scores_composed(q, k, v, *, scale, mask=None, scores="mass", sinks=None, stream=None):
+    """The same computation as `scaled_dot_product_attention_with_scores` from stock MLX ops: the
+    definition of the fused kernel, and what runs on GPU streams. Materialises (B, Hq, L, N)."""
+    return attention_with_scores(q, [(k, v)], scale=scale, mask=mask, scores=scores, sinks=sinks, composed=True, stream=stream)

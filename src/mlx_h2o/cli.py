@@ -19,6 +19,7 @@ import mlx.core as mx  # noqa: E402
 def _add_model_args(p):
     p.add_argument("--model", default=None, help="a .gguf file or an mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--weights", default=None, choices=["float32", "bfloat16", "float16", "quantized"], help="GGUF weights: dequantized dtype or packed (default: float32 on CPU)")
+    p.add_argument("--attention", default="fused", choices=["fused", "stock"], help="attention on CPU: mlx-h2o's fused kernel (default) or mlx-lm's stock path")
 
 
 def _positive_int(text):
@@ -60,11 +61,12 @@ def _h2o_options(args) -> dict:
 
 
 def _cache_options(args) -> dict:
-    opts = {"max_kv_size": args.max_kv_size} if args.max_kv_size is not None else {}
+    options = {"max_kv_size": args.max_kv_size, "max_context": args.max_context}
+    options = {k: v for k, v in options.items() if v is not None}
     h2o = _h2o_options(args)
     if h2o and args.cache != "h2o":
         raise ValueError(f"--h2o-* options apply to --cache h2o, not --cache {args.cache}")
-    return {**opts, **h2o}
+    return {**options, **h2o}
 
 
 def _with_h2o_flags(specs, args):
@@ -87,6 +89,19 @@ def _system_prompt_tokens(tokenizer, system) -> int:
     return n
 
 
+def _attention_desc() -> str:
+    from .hook import fast_cpu_attention_enabled
+
+    if fast_cpu_attention_enabled() and mx.default_device() == mx.cpu:
+        return f"fused CPU kernel ({mlx_h2o._ext.kernel_isa()}, {mlx_h2o._ext.kernel_threads()} threads)"
+    return "mlx-lm stock"
+
+
+def _load(args):
+    mlx_h2o.use_fast_cpu_attention(args.attention == "fused")
+    return mlx_h2o.load(args.model, weights=args.weights)
+
+
 def cmd_generate(args) -> int:
     from mlx_lm import stream_generate
 
@@ -100,7 +115,7 @@ def cmd_generate(args) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read --prompt-file {args.prompt_file!r}: {e}") from None
     options = _cache_options(args)
-    model, tokenizer = mlx_h2o.load(args.model, weights=args.weights)
+    model, tokenizer = _load(args)
     if args.h2o_pin_system:
         if args.cache != "h2o" or not args.system or not tokenizer.has_chat_template or args.no_chat_template:
             raise ValueError("--h2o-pin-system needs --cache h2o, --system and the chat template")
@@ -127,7 +142,7 @@ def cmd_generate(args) -> int:
     print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec", file=sys.stderr)
     print(f"Peak memory: {response.peak_memory:.3f} GB", file=sys.stderr)
     print(f"KV cache ({args.cache}): {tokens} tokens per layer, {kv / 2**20:.2f} MiB in {len(cache)} layers", file=sys.stderr)
-    print(f"BLAS: {mlx_h2o.blas_backend()}", file=sys.stderr)
+    print(f"BLAS: {mlx_h2o.blas_backend()}; attention: {_attention_desc()}", file=sys.stderr)
     return 0
 
 
@@ -140,14 +155,15 @@ def cmd_eval(args) -> int:
     corpus = load_corpus(args.text_files)
     print(f"corpus: {corpus.name}", file=sys.stderr)
     print(f"BLAS: {mlx_h2o.blas_backend()}", file=sys.stderr)
-    model, tokenizer = mlx_h2o.load(args.model, weights=args.weights)
+    model, tokenizer = _load(args)
+    print(f"attention: {_attention_desc()}", file=sys.stderr)
     rows = []
     for seq_len in args.seq_len:
         samples = token_samples(tokenizer, corpus, args.samples, seq_len, seed=args.seed)
         print(f"seq {seq_len}: samples from " + ", ".join(os.path.basename(s[0]) for s in samples), file=sys.stderr)
         rows += perplexity_table(model, specs, samples, prefill=args.prefill, batch_size=args.batch_size, progress=not args.quiet)
     print(perplexity_markdown(rows))
-    payload = {"corpus": corpus.name, "blas": mlx_h2o.blas_backend(), "perplexity": rows}
+    payload = {"corpus": corpus.name, "blas": mlx_h2o.blas_backend(), "attention": _attention_desc(), "perplexity": rows}
     if args.speed_context:
         context = token_samples(tokenizer, corpus, 1, args.speed_context + 1, seed=args.seed)[0][1]
         speed = speed_table(model, specs, context, steps=args.speed_steps, progress=not args.quiet)
@@ -201,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-step-size", type=_positive_int, default=None, help="prefill the prompt in chunks of this many tokens (mlx-lm default 2048); the h2o cache evicts between chunks")
     _add_h2o_args(g)
     g.add_argument("--h2o-pin-system", action="store_true", help="pin the system prompt's tokens (never evicted)")
+    g.add_argument("--max-context", type=_positive_int, default=None, help="tokens reserved by the 'reserved' policy (default: the model's context length)")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="perplexity / speed / memory of several policies on identical tokens")

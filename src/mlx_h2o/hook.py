@@ -7,7 +7,8 @@ trampoline into `_dispatch`, which reaches every model, imported before or after
 restores the original code. `_dispatch` routes:
   1. a cache with an `attend(queries, keys, values, scale=, mask=, sinks=)` method (the H2O caches,
      which need the attention scores) -> that method;
-  2. otherwise, if fast CPU attention is enabled and the stream is the CPU -> the fused kernel;
+  2. otherwise, if fast CPU attention is enabled and the stream is the CPU -> the fused kernel
+     (dense caches, and mlx-lm's QuantizedKVCache through the packed-K/V kernel);
   3. otherwise -> mlx-lm's original code, unchanged.
 """
 
@@ -15,6 +16,8 @@ import types
 
 import mlx.core as mx
 from mlx_lm.models import base as _base
+
+from .attention import quantized_scaled_dot_product_attention_with_scores, scaled_dot_product_attention_with_scores
 
 _target = _base.scaled_dot_product_attention
 _original_code = _target.__code__
@@ -31,10 +34,17 @@ def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
     attend = getattr(cache, "attend", None)
     if attend is not None:
         return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    if _fast_cpu_attention and sinks is None and not hasattr(cache, "bits") and mx.default_device() == mx.cpu:
-        from .attention import scaled_dot_product_attention_with_scores
+    if _fast_cpu_attention and mx.default_device() == mx.cpu:
+        if hasattr(cache, "bits"):  # mlx-lm's QuantizedKVCache: keys / values are packed triples
+            return quantized_scaled_dot_product_attention_with_scores(
+                queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks, bits=cache.bits, group_size=cache.group_size
+            )[0]
+        return scaled_dot_product_attention_with_scores(queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks)[0]
+    return _original(queries, keys, values, cache, scale, mask, sinks)
 
-        return scaled_dot_product_attention_with_scores(queries, keys, values, scale=scale, mask=mask, scores=None)[0]
+
+def mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's own attention function, whatever the hook routes."""
     return _original(queries, keys, values, cache, scale, mask, sinks)
 
 
@@ -54,8 +64,13 @@ def installed() -> bool:
 
 
 def use_fast_cpu_attention(enabled: bool = True) -> None:
-    """Opt in (or out) to the fused CPU kernel as the attention of every mlx-lm model on CPU streams."""
+    """Opt in (or out) to the fused CPU kernel as the attention of every mlx-lm model on CPU streams
+    (dense caches; mlx-lm's quantized caches keep their own path)."""
     global _fast_cpu_attention
     _fast_cpu_attention = bool(enabled)
     if enabled:
         install()
+
+
+def fast_cpu_attention_enabled() -> bool:
+    return _fast_cpu_attention and installed()

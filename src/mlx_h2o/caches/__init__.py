@@ -19,14 +19,24 @@ def register_policy(name: str):
 
 def register_cache_class(cls):
     """Make `cls` loadable by mlx-lm's `load_prompt_cache`, which looks cache classes up by name in
-    `mlx_lm.models.cache`. Refuses to shadow a different class of the same name."""
+    `mlx_lm.models.cache`."""
     from mlx_lm.models import cache as lm_cache
 
     existing = getattr(lm_cache, cls.__name__, None)
-    if existing is not None and existing is not cls and existing.__module__ != cls.__module__:
-        raise ValueError(f"mlx_lm.models.cache already has a different {cls.__name__} ({existing.__module__})")
+    if existing is not None and existing.__module__ != cls.__module__:
+        raise RuntimeError(f"mlx_lm.models.cache already has a {cls.__name__} ({existing.__module__})")
     setattr(lm_cache, cls.__name__, cls)
     return cls
+
+
+def per_layer_caches(model, make_layer_cache):
+    """One cache per layer: `make_layer_cache()` replaces each plain `KVCache` of the model's default
+    layout; layers with their own layout (sliding-window, SSM state, MLA...) keep theirs."""
+    from mlx_lm.models import cache as lm_cache
+
+    if hasattr(model, "make_cache"):
+        return [make_layer_cache() if type(c) is lm_cache.KVCache else c for c in model.make_cache()]
+    return [make_layer_cache() for _ in model.layers]
 
 
 def make_cache(model, policy: str = "full", **options):
@@ -36,5 +46,4 @@ def make_cache(model, policy: str = "full", **options):
     return POLICIES[policy](model, **options)
 
 
-from . import baseline  # noqa: E402,F401  (registers "full" and "rotating")
-from . import h2o  # noqa: E402,F401  (registers "h2o")
+from . import baseline, h2o, quantized, reserved, rotated  # noqa: E402,F401  (register their policies)

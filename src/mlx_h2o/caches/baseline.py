@@ -6,7 +6,7 @@
 
 from mlx_lm.models import cache as lm_cache
 
-from . import register_policy
+from . import per_layer_caches, register_policy
 
 
 def check_max_kv_size(max_kv_size) -> int:
@@ -15,29 +15,21 @@ def check_max_kv_size(max_kv_size) -> int:
     return max_kv_size
 
 
-def _reject_options(policy, options):
+def reject_options(policy, options):
     if options:
         raise ValueError(f"policy {policy!r} takes no options {sorted(options)}")
 
 
-def replace_plain_kv_caches(model, make):
-    """The model's own caches with every plain `KVCache` layer replaced by `make()`. Layers with their
-    own layout (sliding-window `RotatingKVCache`, SSM state, ...) keep it."""
-    if hasattr(model, "make_cache"):
-        return [make() if type(c) is lm_cache.KVCache else c for c in model.make_cache()]
-    return [make() for _ in model.layers]
-
-
 @register_policy("full")
 def full_cache(model, **options):
-    _reject_options("full", options)
+    reject_options("full", options)
     return lm_cache.make_prompt_cache(model)
 
 
 @register_policy("rotating")
 def rotating_cache(model, max_kv_size=None, keep: int = 4, **options):
-    _reject_options("rotating", options)
+    reject_options("rotating", options)
     max_kv_size = check_max_kv_size(max_kv_size)
     if not 0 <= keep < max_kv_size:
         raise ValueError(f"keep must be in [0, max_kv_size) = [0, {max_kv_size}), got {keep!r}")
-    return replace_plain_kv_caches(model, lambda: lm_cache.RotatingKVCache(max_size=max_kv_size, keep=keep))
+    return per_layer_caches(model, lambda: lm_cache.RotatingKVCache(max_size=max_kv_size, keep=keep))

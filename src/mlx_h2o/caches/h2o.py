@@ -34,8 +34,8 @@ from mlx_lm.models.base import create_causal_mask
 
 from .. import hook
 from ..attention import scaled_dot_product_attention_with_scores
-from . import register_cache_class, register_policy
-from .baseline import check_max_kv_size, replace_plain_kv_caches
+from . import per_layer_caches, register_cache_class, register_policy
+from .baseline import check_max_kv_size
 from .scoring import SCORE_RULES, make_rule, max_pool
 
 SPLITS = ("heavy", "balanced", "recent", "explicit")
@@ -412,7 +412,7 @@ def h2o_cache(model, max_kv_size=None, **options):
         raise ValueError(f"unknown h2o options {unknown}; allowed: {allowed}")
     config = H2OConfig.build(max_kv_size, **options)
     hook.install()
-    return replace_plain_kv_caches(model, lambda: H2OKVCache(config))
+    return per_layer_caches(model, lambda: H2OKVCache(config))
 
 
 __all__ = ["H2OConfig", "H2OKVCache", "SCORE_RULES", "select_entries", "h2o_cache"]

@@ -1,7 +1,7 @@
 """Measurement harness: perplexity through a cache, decode speed and memory, corpora, reports."""
 
 from .corpus import Corpus, load_corpus, token_samples
-from .memory import kv_bytes, memory_snapshot
+from .memory import kv_bytes, memory_snapshot, resident_bytes
 from .perplexity import autoregressive_nll, teacher_forced_nll
 from .speed import decode_benchmark
 
@@ -12,6 +12,7 @@ __all__ = [
     "kv_bytes",
     "load_corpus",
     "memory_snapshot",
+    "resident_bytes",
     "teacher_forced_nll",
     "token_samples",
 ]

@@ -1,10 +1,13 @@
 """Memory accounting: MLX's allocator counters, process RSS, and the bytes a cache holds."""
 
+import ctypes
 import os
 import resource
 import sys
+from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 
 def _current_rss_bytes() -> int:
@@ -21,8 +24,19 @@ def _peak_rss_bytes() -> int:
 
 
 def kv_bytes(cache) -> int:
-    """Bytes the per-layer caches hold (each cache's `nbytes`, as mlx-lm defines it)."""
-    return int(sum(c.nbytes for c in cache))
+    """Bytes of the tokens the per-layer caches hold. mlx-lm's KVCache and QuantizedKVCache report
+    their whole step-allocated buffers as `nbytes`; for those only the live rows are counted, so
+    that compression ratios between policies are measured on what is stored."""
+    from mlx.utils import tree_reduce
+    from mlx_lm.models import cache as lm_cache
+
+    total = 0
+    for c in cache:
+        if isinstance(c, (lm_cache.KVCache, lm_cache.QuantizedKVCache)) and not c.empty():
+            total += tree_reduce(lambda acc, x: acc + x.nbytes, c.keys_and_values(), 0)
+        else:
+            total += c.nbytes
+    return int(total)
 
 
 def memory_snapshot() -> dict:
@@ -32,3 +46,32 @@ def memory_snapshot() -> dict:
         "rss_bytes": _current_rss_bytes(),
         "rss_peak_bytes": _peak_rss_bytes(),
     }
+
+
+def array_address(a: mx.array) -> int:
+    """Address of `a`'s first element (evaluates `a`; it must be contiguous, a dtype NumPy can view)."""
+    view = memoryview(a)  # no copy for a contiguous array
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    del view
+    return address
+
+
+def resident_range(address: int, nbytes: int) -> Optional[int]:
+    """Bytes of [address, address + nbytes) in RAM (committed pages, counted with mincore). None
+    where that cannot be told: not Linux, or part of the range is no longer mapped."""
+    if not sys.platform.startswith("linux"):
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = address - address % page
+    n = (address + nbytes - first + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(n * page), vec) != 0:
+        return None  # ENOMEM: unmapped (e.g. freed back to the OS)
+    return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * page
+
+
+def resident_bytes(a: mx.array) -> Optional[int]:
+    """Bytes of `a`'s memory that are in RAM, for measuring one buffer exactly whatever else the
+    process holds (see resident_range)."""
+    return resident_range(array_address(a), a.nbytes)

@@ -1,0 +1,90 @@
+// The primitive behind mlx-h2o's attention ops: fused attention over one or more key segments, each
+// stored dense (float32/float16/bfloat16) or in MLX's packed affine format (2-8 bits), returning the
+// output and the attention each key received, from one pass over K and V.
+//
+// Written to MLX's extension conventions (op functions, a Primitive with eval_cpu, bindings apart) so
+// it could move into mlx::core::fast. The public ops built on it:
+//   scaled_dot_product_attention_with_scores            (scaled_dot_product_attention_with_scores.h)
+//   quantized_scaled_dot_product_attention_with_scores  (quantized_scaled_dot_product_attention_with_scores.h)
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "kernels/attention_problem.h"
+
+namespace mlx_h2o {
+
+namespace mx = mlx::core;
+
+/** One of K or V of a segment: {dense} (B, Hkv, n, D), or {packed uint32, scales, biases} as
+ *  mx::quantize returns them, with `bits` and `group_size`. */
+struct KVInput {
+  std::vector<mx::array> arrays;
+  int bits = 0, group_size = 0;
+  bool quantized() const { return arrays.size() == 3; }
+};
+
+struct SegmentInput {
+  KVInput k, v;
+};
+
+/**
+ * Attention of q (B, Hq, L, Dk) over the keys of `segments` taken in order (N = total length):
+ * mask_mode "" (none), "causal" (query row i at absolute position N - L + i) or "array" with `mask`
+ * boolean/additive, broadcastable to (B, Hq, L, N). scores "mass" -> (B, Hkv, N) float32 post-softmax
+ * probability each key received, summed over the query heads of its kv group and the L rows;
+ * "logits" -> (B, Hq, L, N) float32 masked logits; "" -> none. sinks: optional (Hq,) sink logits.
+ * Returns {out (B, Hq, L, Dv) in q's dtype, scores} or {out}. CPU streams run the fused kernel; other
+ * streams the composed ops of attention_with_scores_composed.
+ */
+std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vector<SegmentInput>& segments, float scale,
+                                             const std::string& mask_mode, const std::optional<mx::array>& mask,
+                                             const std::string& scores, const std::optional<mx::array>& sinks,
+                                             mx::StreamOrDevice s = {});
+
+/** The same computation from stock MLX ops (dequantize, concatenate, matmul, softmax): the
+ *  definition of the kernel, and its fallback off the CPU. */
+std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const std::vector<SegmentInput>& segments,
+                                                      float scale, const std::string& mask_mode,
+                                                      const std::optional<mx::array>& mask, const std::string& scores,
+                                                      const std::optional<mx::array>& sinks, mx::StreamOrDevice s = {});
+
+struct SegmentFormat {
+  int k_bits = 0, k_group_size = 0, v_bits = 0, v_group_size = 0;  // bits 0: dense
+  bool operator==(const SegmentFormat& o) const {
+    return k_bits == o.k_bits && k_group_size == o.k_group_size && v_bits == o.v_bits && v_group_size == o.v_group_size;
+  }
+};
+
+class AttentionWithScores : public mx::Primitive {
+ public:
+  AttentionWithScores(mx::Stream stream, float scale, MaskKind mask_kind, ScoreMode score_mode, bool has_sinks,
+                      std::vector<SegmentFormat> formats)
+      : mx::Primitive(stream),
+        scale_(scale),
+        mask_kind_(mask_kind),
+        score_mode_(score_mode),
+        has_sinks_(has_sinks),
+        formats_(std::move(formats)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "AttentionWithScores"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  MaskKind mask_kind_;
+  ScoreMode score_mode_;
+  bool has_sinks_;
+  std::vector<SegmentFormat> formats_;
+};
+
+}  // namespace mlx_h2o

@@ -1,0 +1,840 @@
+// The fused CPU attention kernel. No include guard: attention_cpu.cpp includes this file once per
+// instruction set, each time inside its own namespace MLX_H2O_ISA_NS (and, for AVX2, under a target
+// pragma), so the variants never share a symbol. Everything here is plain C++ with GCC/Clang vector
+// extensions; it uses no template defined outside this file.
+//
+// Algorithm (per kv head, per block of query rows; FlashAttention-2 style on the CPU):
+//   rows   = the G query heads of the kv group x a block of query positions, so each K/V row is
+//            read from memory once per kv head (GQA/MQA never materialise repeated K/V);
+//   tiles  = TILE keys at a time: logits S = Q K^T for the tile (K converted to float in registers),
+//            mask, online softmax (running max m, sum l, rescaled accumulator), acc += P V;
+//   splits = for few rows (decode), the key range is split across threads and the partial
+//            (m, l, acc) are combined afterwards (flash-decoding);
+//   scores = "logits" streams the masked logits to the output; "mass" keeps the tile logits in a
+//            scratch of (rows x N) floats and, once every row's final (m, l) is known, adds
+//            exp(S - m) / l over the rows of each kv group: post-softmax mass without a second
+//            Q K^T pass. Rows are processed in waves so the scratch stays bounded for long prefills.
+// Logits are kept in log2 units (q is pre-scaled by scale * log2(e)) so the softmax uses exp2.
+
+namespace mlx_h2o {
+namespace MLX_H2O_ISA_NS {
+
+// ---------------------------------------------------------------------------------------------
+// 8-wide float vectors (two SSE/NEON registers or one AVX register).
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+
+constexpr int TILE = 64;  // keys per tile: K and V tiles stay in L1
+constexpr int MAX_SPLITS = 64;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float NEG_INF = -__builtin_inff();
+
+static inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+static inline v8f zeros8() { return splat(0.0f); }
+
+static inline v8f load8(const float* p) {
+  v8f v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+static inline void store8(float* p, v8f v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+template <class To, class From>
+static inline To bitcast(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bitcast size");
+  To y;
+  __builtin_memcpy(&y, &x, sizeof(y));
+  return y;
+}
+
+static inline float hsum(v8f v) {
+#if defined(MLX_H2O_ISA_AVX2)
+  __m256 x = bitcast<__m256>(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
+  return _mm_cvtss_f32(s);
+#else
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+#endif
+}
+
+static inline float hmax(v8f v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+static inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
+
+// 2^x for x <= 0 (all the kernel needs): round-to-nearest split, degree-6 polynomial on
+// [-0.5, 0.5] (relative error < 2e-7), exponent by integer add; x < -126 (and -inf) gives 0.
+static inline v8f exp2v(v8f x) {
+  const v8f lo = splat(-127.0f);
+  x = x < lo ? lo : x;
+  const v8f round_magic = splat(12582912.0f);  // 1.5 * 2^23
+  v8f t = x + round_magic;
+  v8i xi = bitcast<v8i>(t) - bitcast<v8i>(round_magic);
+  v8f f = x - (t - round_magic);
+  v8f p = splat(1.5403530393381606e-4f);
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  v8f r = bitcast<v8f>(bitcast<v8i>(p) + (xi << 23));
+  return x < splat(-126.0f) ? zeros8() : r;
+}
+
+static inline float exp2s(float x) { return exp2v(splat(x))[0]; }
+
+// ---------------------------------------------------------------------------------------------
+// Element conversions.
+
+static inline float half_to_float(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t em = h & 0x7fffu;
+  uint32_t bits;
+  if (em >= 0x7c00u) {
+    bits = 0x7f800000u | ((em & 0x3ffu) << 13);  // inf / nan
+  } else if (em >= 0x400u) {
+    bits = (em << 13) + ((127u - 15u) << 23);
+  } else {  // zero or subnormal: em * 2^-24 is exact in float
+    return bitcast<float>(sign) + (sign ? -1.0f : 1.0f) * static_cast<float>(em) * 5.9604644775390625e-8f;
+  }
+  return bitcast<float>(bits | sign);
+}
+
+static inline float bf16_to_float(uint16_t h) { return bitcast<float>(static_cast<uint32_t>(h) << 16); }
+
+static inline uint16_t float_to_half(float f) {
+  // Round to nearest even, with overflow to inf and gradual underflow (as numpy / MLX do).
+  uint32_t x = bitcast<uint32_t>(f);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (ax < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+    float a = bitcast<float>(ax) * 16777216.0f;  // scale by 2^24: the subnormal's integer value
+    // nearbyint with ties-to-even for the integer part
+    float r = a + 8388608.0f - 8388608.0f;
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(r));
+  }
+  uint32_t mant_odd = (ax >> 13) & 1u;
+  ax += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round
+  return static_cast<uint16_t>(sign | (ax >> 13));
+}
+
+static inline uint16_t float_to_bf16(float f) {
+  uint32_t x = bitcast<uint32_t>(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet nan
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+static inline float load_scalar(const void* p, ElemType t, int64_t i) {
+  switch (t) {
+    case ElemType::float32:
+      return static_cast<const float*>(p)[i];
+    case ElemType::float16:
+      return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    case ElemType::bfloat16:
+      return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case ElemType::boolean:
+      return static_cast<const uint8_t*>(p)[i] ? 1.0f : 0.0f;
+  }
+  return 0.0f;
+}
+
+static inline void store_scalar(void* p, ElemType t, int64_t i, float x) {
+  switch (t) {
+    case ElemType::float32:
+      static_cast<float*>(p)[i] = x;
+      break;
+    case ElemType::float16:
+      static_cast<uint16_t*>(p)[i] = float_to_half(x);
+      break;
+    case ElemType::bfloat16:
+      static_cast<uint16_t*>(p)[i] = float_to_bf16(x);
+      break;
+    case ElemType::boolean:
+      static_cast<uint8_t*>(p)[i] = x != 0.0f;
+      break;
+  }
+}
+
+static inline v8f half8_to_float(const uint16_t* p) {
+#if defined(MLX_H2O_ISA_AVX2)
+  return bitcast<v8f>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  // Branch-free half -> float (normals, subnormals, inf/nan), after F. Giesen.
+  v8u16 raw;
+  __builtin_memcpy(&raw, p, sizeof(raw));
+  v8u h = __builtin_convertvector(raw, v8u);
+  const v8u shifted_exp = v8u{} + (0x7c00u << 13);
+  v8u o = (h & 0x7fffu) << 13;
+  v8u e = shifted_exp & o;
+  o += (127u - 15u) << 23;
+  o += bitcast<v8u>(e == shifted_exp) & ((128u - 16u) << 23);
+  v8u sub = bitcast<v8u>(e == 0u);
+  v8f denorm = bitcast<v8f>(o + (1u << 23)) - bitcast<v8f>(v8u{} + (113u << 23));
+  o = (sub & bitcast<v8u>(denorm)) | (~sub & o);
+  return bitcast<v8f>(o | ((h & 0x8000u) << 16));
+#endif
+}
+
+static inline v8f bf16x8_to_float(const uint16_t* p) {
+  v8u16 raw;
+  __builtin_memcpy(&raw, p, sizeof(raw));
+  return bitcast<v8f>(__builtin_convertvector(raw, v8u) << 16);
+}
+
+static inline v8f u8x8_to_float(const uint8_t* p) {
+#if defined(MLX_H2O_ISA_AVX2)
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return bitcast<v8f>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)));
+#else
+  v8u8 raw;
+  __builtin_memcpy(&raw, p, sizeof(raw));
+  return __builtin_convertvector(__builtin_convertvector(raw, v8i), v8f);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// K/V row access. A loader turns (batch, kv head, position within its segment) into a row handle and
+// reads 8 floats from it at a column offset (a multiple of 8); the attention loop is written once
+// against this interface and instantiated per storage format.
+
+static inline float half_to_float_fast(uint16_t h) {
+#if defined(MLX_H2O_ISA_AVX2)
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
+struct F32Elem {
+  using Storage = float;
+  static v8f load8(const float* p) { return MLX_H2O_ISA_NS::load8(p); }
+  static float load1(const float* p) { return *p; }
+};
+struct F16Elem {
+  using Storage = uint16_t;
+  static v8f load8(const uint16_t* p) { return half8_to_float(p); }
+  static float load1(const uint16_t* p) { return half_to_float_fast(*p); }
+};
+struct BF16Elem {
+  using Storage = uint16_t;
+  static v8f load8(const uint16_t* p) { return bf16x8_to_float(p); }
+  static float load1(const uint16_t* p) { return bf16_to_float(*p); }
+};
+
+// Loader interface:
+//   Row row(b, h, n)                 handle of a row of the segment
+//   rows(b, h, n0, tn, out)          handles of tn consecutive rows
+//   Group group(row, d)              (scale, bias) of the group holding column d (empty for dense
+//                                    rows); groups are multiples of 32 columns
+//   v8f load(row, group, d)          8 floats at column d (d a multiple of 8, in `group`)
+//   float load1(row, d)              one float (dense rows only: head dims not a multiple of 8)
+struct NoGroup {};
+
+template <class Elem>
+struct DenseLoader {
+  using S = typename Elem::Storage;
+  using Row = const S*;
+  using Group = NoGroup;
+  const S* base;
+  int64_t sb, sh, sn;
+  explicit DenseLoader(const KVSource& src)
+      : base(static_cast<const S*>(src.dense.data)), sb(src.dense.stride[0]), sh(src.dense.stride[1]), sn(src.dense.stride[2]) {}
+  Row row(int b, int h, int n) const { return base + b * sb + h * sh + n * sn; }
+  void rows(int b, int h, int n0, int tn, Row* out) const {
+    Row r = row(b, h, n0);
+    for (int t = 0; t < tn; ++t, r += sn) out[t] = r;
+  }
+  static Group group(Row, int) { return {}; }
+  static v8f load(Row r, Group, int d) { return Elem::load8(r + d); }
+  static float load1(Row r, int d) { return Elem::load1(r + d); }
+};
+
+// MLX affine quantization: value = scale * q + bias per group; 8 consecutive BITS-bit values occupy
+// exactly BITS bytes of the row's little-endian bit stream, so any 8-aligned chunk is one small load.
+template <int BITS, class ScaleElem>
+struct QuantLoader {
+  using S = typename ScaleElem::Storage;
+  struct Row {
+    const uint8_t* w;
+    const S* scale;
+    const S* bias;
+  };
+  struct Group {
+    v8f scale, bias;
+  };
+  const uint8_t* w;
+  const S* sc;
+  const S* bi;
+  int64_t wb, wh, wn, sb, sh, sn, bb, bh, bn;  // strides: packed in bytes, scales / biases in elements
+  int group_size, group_shift;
+
+  explicit QuantLoader(const KVSource& src)
+      : w(static_cast<const uint8_t*>(src.packed.data)),
+        sc(static_cast<const S*>(src.scales.data)),
+        bi(static_cast<const S*>(src.biases.data)),
+        wb(4 * src.packed.stride[0]), wh(4 * src.packed.stride[1]), wn(4 * src.packed.stride[2]),
+        sb(src.scales.stride[0]), sh(src.scales.stride[1]), sn(src.scales.stride[2]),
+        bb(src.biases.stride[0]), bh(src.biases.stride[1]), bn(src.biases.stride[2]),
+        group_size(src.group_size), group_shift(__builtin_ctz(static_cast<unsigned>(src.group_size))) {}
+
+  Row row(int b, int h, int n) const {
+    return Row{w + b * wb + h * wh + n * wn, sc + b * sb + h * sh + n * sn, bi + b * bb + h * bh + n * bn};
+  }
+  void rows(int b, int h, int n0, int tn, Row* out) const {
+    Row r = row(b, h, n0);
+    for (int t = 0; t < tn; ++t, r.w += wn, r.scale += sn, r.bias += bn) out[t] = r;
+  }
+  Group group(const Row& r, int d) const {
+    const int g = d >> group_shift;
+    return Group{splat(ScaleElem::load1(r.scale + g)), splat(ScaleElem::load1(r.bias + g))};
+  }
+  static v8f load(const Row& r, const Group& gp, int d) {
+    const uint8_t* p = r.w + (static_cast<unsigned>(d) >> 3) * BITS;
+    v8f x;
+    if constexpr (BITS == 8) {
+      x = u8x8_to_float(p);
+    } else if constexpr (BITS == 4 || BITS == 2) {
+      uint32_t word = 0;
+      __builtin_memcpy(&word, p, BITS);
+      const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 4u * BITS, 5u * BITS, 6u * BITS, 7u * BITS};
+      x = __builtin_convertvector(bitcast<v8i>((v8u{} + word) >> shifts & ((1u << BITS) - 1u)), v8f);
+    } else {  // 3, 5, 6 bits: two 32-bit halves of the BITS-byte chunk
+      uint64_t bitsv = 0;
+      __builtin_memcpy(&bitsv, p, BITS);
+      const uint32_t lo = static_cast<uint32_t>(bitsv);
+      const uint32_t hi = static_cast<uint32_t>(bitsv >> (4 * BITS));
+      const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 0u, BITS, 2u * BITS, 3u * BITS};
+      x = __builtin_convertvector(bitcast<v8i>((v8u{lo, lo, lo, lo, hi, hi, hi, hi} >> shifts) & ((1u << BITS) - 1u)), v8f);
+    }
+    return x * gp.scale + gp.bias;
+  }
+  static float load1(const Row&, int) { return 0.0f; }  // unused: quantized head dims are multiples of 32
+};
+
+// ---------------------------------------------------------------------------------------------
+// Scratch memory (plain malloc: no allocator templates in ISA-specific code).
+
+struct FloatBuffer {
+  float* p = nullptr;
+  explicit FloatBuffer(int64_t n) : p(n > 0 ? static_cast<float*>(__builtin_malloc(sizeof(float) * n)) : nullptr) {
+    if (n > 0 && !p) throw_out_of_memory();
+  }
+  ~FloatBuffer() { __builtin_free(p); }
+  FloatBuffer(const FloatBuffer&) = delete;
+  FloatBuffer& operator=(const FloatBuffer&) = delete;
+};
+
+template <class F>
+static void run_parallel(int n, int threads, F& f) {
+  parallel_for(n, threads, [](void* ctx, int i) { (*static_cast<F*>(ctx))(i); }, &f);
+}
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+static inline int imax(int a, int b) { return a > b ? a : b; }
+static inline int round_up8(int x) { return (x + 7) & ~7; }
+
+// ---------------------------------------------------------------------------------------------
+// The work plan.
+//
+// A "block" is (b, kv head, a run of `block_l` query positions): rows r = li * G + g for the G query
+// heads g of the group and positions l0 + li. Blocks are numbered b-major, then kv head, then
+// position, and are processed in waves (consecutive blocks) so that the "mass" scratch
+// (rows x N floats per block) stays under a budget. Within a wave each block's key range is cut into
+// `splits` pieces for parallelism when there are few blocks (decode).
+
+struct Plan {
+  int G, block_l, blocks_per_head, n_blocks, splits, split_len, wave_blocks, threads;
+  int Dkp, Dvp;  // Dk, Dv rounded up to 8
+};
+
+static Plan make_plan(const AttentionProblem& p) {
+  Plan pl{};
+  pl.G = p.Hq / p.Hkv;
+  pl.Dkp = round_up8(p.Dk);
+  pl.Dvp = round_up8(p.Dv);
+  // ~32 rows per block: enough reuse of each K/V tile, small per-block state.
+  pl.block_l = imax(1, imin(p.L, 32 / pl.G));
+  pl.blocks_per_head = (p.L + pl.block_l - 1) / pl.block_l;
+  pl.n_blocks = p.B * p.Hkv * pl.blocks_per_head;
+  int64_t work = static_cast<int64_t>(p.B) * p.Hq * p.L * p.N * (p.Dk + p.Dv);
+  pl.threads = work < (1 << 18) ? 1 : imax(1, p.threads);  // tiny problems: threads cost more than they save
+  // Split the keys when blocks alone cannot keep the threads evenly busy (decode): ~8 tasks per
+  // thread under dynamic scheduling, each split at least 4 tiles.
+  int splits = 1;
+  if (pl.threads > 1 && pl.n_blocks < 8 * pl.threads) {
+    splits = (8 * pl.threads + pl.n_blocks - 1) / pl.n_blocks;
+    splits = imax(1, imin(imin(splits, MAX_SPLITS), p.N / (4 * TILE)));
+  }
+  pl.split_len = ((p.N + splits - 1) / splits + TILE - 1) / TILE * TILE;
+  pl.splits = (p.N + pl.split_len - 1) / pl.split_len;
+  if (p.score_mode == ScoreMode::mass) {
+    const int64_t budget_floats = int64_t(1) << 23;  // 32 MiB of logits scratch per wave
+    const int64_t fit = budget_floats / (static_cast<int64_t>(pl.G) * pl.block_l * p.N);
+    pl.wave_blocks = fit < 1 ? 1 : (fit > pl.n_blocks ? pl.n_blocks : static_cast<int>(fit));
+  } else {
+    pl.wave_blocks = pl.n_blocks;
+  }
+  return pl;
+}
+
+struct Block {
+  int b, h, l0, nl;  // batch, kv head, first query position, positions in the block
+};
+
+static inline Block block_at(const AttentionProblem& p, const Plan& pl, int i) {
+  Block bk;
+  int pos = i % pl.blocks_per_head;
+  int bh = i / pl.blocks_per_head;
+  bk.b = bh / p.Hkv;
+  bk.h = bh % p.Hkv;
+  bk.l0 = pos * pl.block_l;
+  bk.nl = imin(pl.block_l, p.L - bk.l0);
+  return bk;
+}
+
+// Last key position (inclusive) that query position l may see.
+static inline int key_limit(const AttentionProblem& p, int l) {
+  return p.mask_kind == MaskKind::causal ? p.N - p.L + l : p.N - 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernels on one tile of `tn` keys for RR rows (RR = 1..4, a compile-time constant so the
+// accumulators stay in registers). Head dims are handled in multiples of 8 (D8); a dense head dim
+// that is not a multiple of 8 adds its last columns in qk_tail / pv_tail.
+
+// s[j * lds] = hsum(a[j]) for j < RR.
+template <int RR>
+static inline void store_sums(const v8f* a, float* s, int lds) {
+#if defined(MLX_H2O_ISA_AVX2)
+  if constexpr (RR >= 3) {  // reduce 4 vectors at once: 3 hadds and one 128-bit add
+    const __m256 z = _mm256_setzero_ps();
+    const __m256 h01 = _mm256_hadd_ps(bitcast<__m256>(a[0]), bitcast<__m256>(a[1]));
+    const __m256 h23 = _mm256_hadd_ps(bitcast<__m256>(a[2]), RR == 4 ? bitcast<__m256>(a[RR - 1]) : z);
+    const __m256 h = _mm256_hadd_ps(h01, h23);
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    alignas(16) float out[4];
+    _mm_store_ps(out, r);
+    for (int j = 0; j < RR; ++j) s[j * lds] = out[j];
+    return;
+  }
+#endif
+  for (int j = 0; j < RR; ++j) s[j * lds] = hsum(a[j]);
+}
+
+template <int RR, class KV>
+static inline void qk_rows(const KV& K, const float* q, int ldq, const typename KV::Row* rows, int tn, int D8, float* s, int lds) {
+  for (int t = 0; t < tn; ++t) {
+    const typename KV::Row& kr = rows[t];
+    v8f a[RR];
+    for (int j = 0; j < RR; ++j) a[j] = zeros8();
+    int d = 0;
+    for (; d + 32 <= D8; d += 32) {  // 32 columns lie in one quantization group
+      const typename KV::Group gp = K.group(kr, d);
+      for (int c = 0; c < 32; c += 8) {
+        const v8f kv = K.load(kr, gp, d + c);
+        for (int j = 0; j < RR; ++j) a[j] += load8(q + j * ldq + d + c) * kv;
+      }
+    }
+    for (; d < D8; d += 8) {
+      const v8f kv = K.load(kr, K.group(kr, d), d);
+      for (int j = 0; j < RR; ++j) a[j] += load8(q + j * ldq + d) * kv;
+    }
+    store_sums<RR>(a, s + t, lds);
+  }
+}
+
+// RR rows x NB chunks of 8 columns starting at d0 (inside one quantization group).
+template <int RR, int NB, class KV>
+static inline void pv_block(const KV& V, const float* pr, int ldp, const typename KV::Row* rows, int tn, int d0, float* acc, int lda) {
+  v8f a[RR][NB];
+  for (int j = 0; j < RR; ++j)
+    for (int c = 0; c < NB; ++c) a[j][c] = load8(acc + j * lda + d0 + 8 * c);
+  for (int t = 0; t < tn; ++t) {
+    const typename KV::Group gp = V.group(rows[t], d0);
+    v8f p[RR];
+    for (int j = 0; j < RR; ++j) p[j] = splat(pr[j * ldp + t]);
+    for (int c = 0; c < NB; ++c) {
+      const v8f vv = V.load(rows[t], gp, d0 + 8 * c);
+      for (int j = 0; j < RR; ++j) a[j][c] += p[j] * vv;
+    }
+  }
+  for (int j = 0; j < RR; ++j)
+    for (int c = 0; c < NB; ++c) store8(acc + j * lda + d0 + 8 * c, a[j][c]);
+}
+
+template <int RR, class KV>
+static inline void pv_rows(const KV& V, const float* pr, int ldp, const typename KV::Row* rows, int tn, int D8, float* acc, int lda) {
+  // RR * NB accumulators + RR broadcasts + 1 value: at most 16 vector registers.
+  constexpr int NB = RR <= 3 ? 4 : 2;
+  int d = 0;
+  for (; d + 8 * NB <= D8; d += 8 * NB) pv_block<RR, NB>(V, pr, ldp, rows, tn, d, acc, lda);
+  for (; d < D8; d += 8) pv_block<RR, 1>(V, pr, ldp, rows, tn, d, acc, lda);
+}
+
+template <class KV>
+static void qk_tail(const KV& K, const float* q, int ldq, int R, const typename KV::Row* rows, int tn, int D8, int D, float* s, int lds) {
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < tn; ++t) {
+      float x = 0.0f;
+      for (int d = D8; d < D; ++d) x += q[r * ldq + d] * K.load1(rows[t], d);
+      s[r * lds + t] += x;
+    }
+}
+
+template <class KV>
+static void pv_tail(const KV& V, const float* pr, int ldp, int R, const typename KV::Row* rows, int tn, int D8, int D, float* acc, int lda) {
+  for (int t = 0; t < tn; ++t)
+    for (int d = D8; d < D; ++d) {
+      const float vv = V.load1(rows[t], d);
+      for (int r = 0; r < R; ++r) acc[r * lda + d] += pr[r * ldp + t] * vv;
+    }
+}
+
+template <int N>
+struct RowCount {
+  static constexpr int value = N;
+};
+
+// f(RowCount<RR>{}, r) over rows [0, R) in groups of RR <= 4 rows: the row count of each call is a
+// compile-time constant, so its accumulators stay in registers.
+template <class F>
+static inline void for_row_groups(int R, F&& f) {
+  int r = 0;
+  for (; r + 4 <= R; r += 4) f(RowCount<4>{}, r);
+  switch (R - r) {
+    case 3: f(RowCount<3>{}, r); break;
+    case 2: f(RowCount<2>{}, r); break;
+    case 1: f(RowCount<1>{}, r); break;
+    default: break;
+  }
+}
+
+// One tile of `tn` keys starting at segment-local position n0, for all R rows of a block.
+template <class KV>
+static void qk_tile(const KV& K, int b, int h, int n0, int tn, const float* q, int ldq, int R, int Dk, float* s, int lds) {
+  typename KV::Row rows[TILE];
+  K.rows(b, h, n0, tn, rows);
+  const int D8 = Dk & ~7;
+  for_row_groups(R, [&](auto rr, int r) { qk_rows<decltype(rr)::value>(K, q + r * ldq, ldq, rows, tn, D8, s + r * lds, lds); });
+  if (D8 != Dk) qk_tail(K, q, ldq, R, rows, tn, D8, Dk, s, lds);
+}
+
+template <class KV>
+static void pv_tile(const KV& V, int b, int h, int n0, int tn, const float* pr, int ldp, int R, int Dv, float* acc, int lda) {
+  typename KV::Row rows[TILE];
+  V.rows(b, h, n0, tn, rows);
+  const int D8 = Dv & ~7;
+  for_row_groups(R, [&](auto rr, int r) { pv_rows<decltype(rr)::value>(V, pr + r * ldp, ldp, rows, tn, D8, acc + r * lda, lda); });
+  if (D8 != Dv) pv_tail(V, pr, ldp, R, rows, tn, D8, Dv, acc, lda);
+}
+
+// Runs f(loader) with the loader for `src`'s storage format: the one place formats are enumerated.
+template <class F>
+static void with_loader(const KVSource& src, F&& f) {
+  if (!src.quantized) {
+    switch (src.dense.type) {
+      case ElemType::float32: f(DenseLoader<F32Elem>(src)); return;
+      case ElemType::float16: f(DenseLoader<F16Elem>(src)); return;
+      case ElemType::bfloat16: f(DenseLoader<BF16Elem>(src)); return;
+      default: return;  // rejected by the op
+    }
+  }
+  auto by_bits = [&](auto scale_elem) {
+    using SE = decltype(scale_elem);
+    switch (src.bits) {
+      case 2: f(QuantLoader<2, SE>(src)); return;
+      case 3: f(QuantLoader<3, SE>(src)); return;
+      case 4: f(QuantLoader<4, SE>(src)); return;
+      case 5: f(QuantLoader<5, SE>(src)); return;
+      case 6: f(QuantLoader<6, SE>(src)); return;
+      case 8: f(QuantLoader<8, SE>(src)); return;
+      default: return;  // rejected by the op
+    }
+  };
+  switch (src.scales.type) {
+    case ElemType::float32: by_bits(F32Elem{}); return;
+    case ElemType::float16: by_bits(F16Elem{}); return;
+    case ElemType::bfloat16: by_bits(BF16Elem{}); return;
+    default: return;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One block over one key range: partial (m, l, acc) per row, logits to `logit_rows` if given.
+
+struct RowState {
+  float* m;    // [R]
+  float* l;    // [R]
+  float* acc;  // [R x Dvp]
+};
+
+// Where the block's row r = li * G + g keeps its logits: the "mass" scratch (log2 units) or the
+// "logits" output (natural units), whose rows for one block are not equally spaced.
+struct LogitSink {
+  float* base = nullptr;
+  int G = 1;
+  int64_t stride_l = 0, stride_g = 0;  // floats between positions li, and between heads g
+  bool natural_units = false;
+  float* row(int r) const { return base + (r / G) * stride_l + (r % G) * stride_g; }
+};
+
+static void attend_range(const AttentionProblem& p, const Plan& pl, const Block& bk, int n_begin, int n_end,
+                         const LogitSink& sink, RowState st, float* work) {
+  const int G = pl.G, R = G * bk.nl, Dkp = pl.Dkp, Dvp = pl.Dvp;
+  float* q = work;                 // [R x Dkp]
+  float* s = q + R * Dkp;          // [R x TILE]
+  int* limit = reinterpret_cast<int*>(s + R * TILE);  // [R]
+
+  const float qscale = p.scale * LOG2E;
+  for (int li = 0; li < bk.nl; ++li) {
+    for (int g = 0; g < G; ++g) {
+      const int r = li * G + g, hq = bk.h * G + g, l = bk.l0 + li;
+      const int64_t base = bk.b * p.q.stride[0] + hq * p.q.stride[1] + l * p.q.stride[2];
+      for (int d = 0; d < p.Dk; ++d) q[r * Dkp + d] = qscale * load_scalar(p.q.data, p.q.type, base + d * p.q.stride[3]);
+      for (int d = p.Dk; d < Dkp; ++d) q[r * Dkp + d] = 0.0f;
+      limit[r] = key_limit(p, l);
+      st.m[r] = NEG_INF;
+      st.l[r] = 0.0f;
+      for (int d = 0; d < Dvp; ++d) st.acc[r * Dvp + d] = 0.0f;
+    }
+  }
+  const int block_limit = limit[R - 1];  // rows are ordered by position: the last sees the most
+  const int n_stop = imin(n_end, block_limit + 1);
+
+  int seg = 0;
+  for (int n0 = n_begin; n0 < n_stop;) {
+    while (n0 >= p.segments[seg].begin + p.segments[seg].length) ++seg;
+    const KVSegment& sg = p.segments[seg];
+    const int tn = imin(TILE, imin(n_stop, sg.begin + sg.length) - n0);  // tiles never straddle segments
+    with_loader(sg.k, [&](const auto& K) { qk_tile(K, bk.b, bk.h, n0 - sg.begin, tn, q, Dkp, R, p.Dk, s, TILE); });
+
+    // Masks.
+    if (p.mask_kind == MaskKind::causal) {
+      for (int r = 0; r < R; ++r)
+        for (int t = imax(0, limit[r] + 1 - n0); t < tn; ++t) s[r * TILE + t] = NEG_INF;
+    } else if (p.mask_kind == MaskKind::array) {
+      const View4& mk = p.mask;
+      for (int li = 0; li < bk.nl; ++li) {
+        for (int g = 0; g < G; ++g) {
+          const int r = li * G + g, hq = bk.h * G + g, l = bk.l0 + li;
+          const int64_t base = bk.b * mk.stride[0] + hq * mk.stride[1] + l * mk.stride[2] + n0 * mk.stride[3];
+          float* sr = s + r * TILE;
+          if (mk.type == ElemType::boolean) {
+            const uint8_t* mb = static_cast<const uint8_t*>(mk.data) + base;
+            for (int t = 0; t < tn; ++t)
+              if (!mb[t * mk.stride[3]]) sr[t] = NEG_INF;
+          } else {
+            for (int t = 0; t < tn; ++t) sr[t] += LOG2E * load_scalar(mk.data, mk.type, base + t * mk.stride[3]);
+          }
+        }
+      }
+    }
+    if (sink.base) {
+      for (int r = 0; r < R; ++r) {
+        float* dst = sink.row(r) + n0;
+        const float* sr = s + r * TILE;
+        if (sink.natural_units)
+          for (int t = 0; t < tn; ++t) dst[t] = sr[t] * LN2;
+        else
+          for (int t = 0; t < tn; ++t) dst[t] = sr[t];
+      }
+    }
+
+    // Online softmax: s becomes P = exp2(s - m_new); rescale the running sum and accumulator.
+    for (int r = 0; r < R; ++r) {
+      float* sr = s + r * TILE;
+      v8f mv = splat(st.m[r]);
+      int t = 0;
+      for (; t + 8 <= tn; t += 8) mv = vmax(mv, load8(sr + t));
+      float m_new = hmax(mv);
+      for (; t < tn; ++t) m_new = sr[t] > m_new ? sr[t] : m_new;
+      if (m_new == NEG_INF) {  // every key so far is masked for this row
+        for (t = 0; t < tn; ++t) sr[t] = 0.0f;
+        continue;
+      }
+      const v8f mn = splat(m_new);
+      v8f sum = zeros8();
+      for (t = 0; t + 8 <= tn; t += 8) {
+        v8f e = exp2v(load8(sr + t) - mn);
+        store8(sr + t, e);
+        sum += e;
+      }
+      float total = hsum(sum);
+      for (; t < tn; ++t) {
+        float e = exp2s(sr[t] - m_new);
+        sr[t] = e;
+        total += e;
+      }
+      if (m_new != st.m[r]) {
+        const float alpha = exp2s(st.m[r] - m_new);
+        st.l[r] *= alpha;
+        float* a = st.acc + r * Dvp;
+        const v8f av = splat(alpha);
+        for (int d = 0; d < Dvp; d += 8) store8(a + d, load8(a + d) * av);
+        st.m[r] = m_new;
+      }
+      st.l[r] += total;
+    }
+    with_loader(sg.v, [&](const auto& V) { pv_tile(V, bk.b, bk.h, n0 - sg.begin, tn, s, TILE, R, p.Dv, st.acc, Dvp); });
+    n0 += tn;
+  }
+  // "logits" output: keys past the block's causal limit were never computed.
+  if (sink.base && sink.natural_units && n_end > n_stop) {
+    for (int r = 0; r < R; ++r) {
+      float* dst = sink.row(r);
+      for (int n = n_stop; n < n_end; ++n) dst[n] = NEG_INF;
+    }
+  }
+}
+
+static inline int64_t attend_work_floats(const Plan& pl, int R) {
+  return static_cast<int64_t>(R) * pl.Dkp + static_cast<int64_t>(R) * TILE + R;  // q, s, limits
+}
+
+// Combine the split partials of one block (split sp: m at parts + sp * part_stride, then l, then
+// acc), add the sink, write the output rows, and keep each row's final (m, l) for the mass pass.
+static void finish_block(const AttentionProblem& p, const Plan& pl, const Block& bk, const float* parts,
+                         int64_t part_stride, int nsplit, float* final_m, float* final_l) {
+  const int G = pl.G, R = G * bk.nl, Dvp = pl.Dvp;
+  float w[MAX_SPLITS];
+  for (int r = 0; r < R; ++r) {
+    const int hq = bk.h * G + r % G, l = bk.l0 + r / G;
+    float m = NEG_INF;
+    for (int sp = 0; sp < nsplit; ++sp) m = parts[sp * part_stride + r] > m ? parts[sp * part_stride + r] : m;
+    float sink_logit = NEG_INF;
+    if (p.sinks) {
+      sink_logit = LOG2E * load_scalar(p.sinks, p.sinks_type, hq * p.sinks_stride);
+      m = sink_logit > m ? sink_logit : m;
+    }
+    const int64_t out_base = ((static_cast<int64_t>(bk.b) * p.Hq + hq) * p.L + l) * p.Dv;
+    if (m == NEG_INF) {  // every key masked and no sink: zero output, no mass
+      for (int d = 0; d < p.Dv; ++d) store_scalar(p.out, p.out_type, out_base + d, 0.0f);
+      final_m[r] = NEG_INF;
+      final_l[r] = 0.0f;
+      continue;
+    }
+    float lsum = p.sinks ? exp2s(sink_logit - m) : 0.0f;
+    for (int sp = 0; sp < nsplit; ++sp) {
+      w[sp] = exp2s(parts[sp * part_stride + r] - m);
+      lsum += parts[sp * part_stride + R + r] * w[sp];
+    }
+    const float inv = 1.0f / lsum;
+    for (int d = 0; d < p.Dv; ++d) {
+      float a = 0.0f;
+      for (int sp = 0; sp < nsplit; ++sp) a += parts[sp * part_stride + 2 * R + r * Dvp + d] * w[sp];
+      store_scalar(p.out, p.out_type, out_base + d, a * inv);
+    }
+    final_m[r] = m;
+    final_l[r] = lsum;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The driver.
+
+static void run_attention(const AttentionProblem& p) {
+  const Plan pl = make_plan(p);
+  const int G = pl.G, Rmax = G * pl.block_l, S = pl.splits;
+  const bool mass = p.score_mode == ScoreMode::mass;
+  const bool logits = p.score_mode == ScoreMode::logits;
+  if (mass)
+    for (int64_t i = 0, n = static_cast<int64_t>(p.B) * p.Hkv * p.N; i < n; ++i) p.scores[i] = 0.0f;
+
+  const int64_t wave_rows = static_cast<int64_t>(pl.wave_blocks) * Rmax;
+  FloatBuffer logit_scratch(mass ? wave_rows * p.N : 0);
+  // Partials per (block in wave, split): m[R], l[R], acc[R x Dvp].
+  const int64_t part_stride = static_cast<int64_t>(Rmax) * (2 + pl.Dvp);
+  FloatBuffer partials(static_cast<int64_t>(pl.wave_blocks) * S * part_stride);
+  FloatBuffer finals(2 * wave_rows);  // final m, l per row of the wave
+  const int64_t work_floats = attend_work_floats(pl, Rmax);
+
+  for (int w0 = 0; w0 < pl.n_blocks; w0 += pl.wave_blocks) {
+    const int nb = imin(pl.wave_blocks, pl.n_blocks - w0);
+
+    // Phase A: every (block, split) of the wave.
+    auto phase_a = [&](int task) {
+      const int bi = task / S, sp = task % S;
+      const Block bk = block_at(p, pl, w0 + bi);
+      const int R = G * bk.nl;
+      float* part = partials.p + (static_cast<int64_t>(bi) * S + sp) * part_stride;
+      LogitSink sink;
+      sink.G = G;
+      if (mass) {
+        sink.base = logit_scratch.p + static_cast<int64_t>(bi) * Rmax * p.N;
+        sink.stride_l = static_cast<int64_t>(G) * p.N;
+        sink.stride_g = p.N;
+      } else if (logits) {
+        sink.base = p.scores + ((static_cast<int64_t>(bk.b) * p.Hq + bk.h * G) * p.L + bk.l0) * p.N;
+        sink.stride_l = p.N;
+        sink.stride_g = static_cast<int64_t>(p.L) * p.N;
+        sink.natural_units = true;
+      }
+      FloatBuffer scratch(work_floats);
+      const int n_begin = sp * pl.split_len, n_end = imin(p.N, n_begin + pl.split_len);
+      attend_range(p, pl, bk, n_begin, n_end, sink, RowState{part, part + R, part + 2 * R}, scratch.p);
+    };
+    run_parallel(nb * S, pl.threads, phase_a);
+
+    // Phase B: combine splits, write outputs, keep each row's final (m, l).
+    auto phase_b = [&](int bi) {
+      float* fm = finals.p + static_cast<int64_t>(bi) * Rmax;
+      finish_block(p, pl, block_at(p, pl, w0 + bi), partials.p + static_cast<int64_t>(bi) * S * part_stride,
+                   part_stride, S, fm, fm + wave_rows);
+    };
+    // Combining is cheap next to phase A: threads only when there is a lot of it.
+    const int64_t b_work = static_cast<int64_t>(nb) * Rmax * S * pl.Dvp;
+    run_parallel(nb, b_work > (1 << 16) ? pl.threads : 1, phase_b);
+
+    if (!mass) continue;
+    // Phase C: mass[b, h, n] += sum over the wave's rows of (b, h) of exp2(S - m) / l.
+    const int chunk = 1024;
+    const int n_chunks = (p.N + chunk - 1) / chunk;
+    const int bh_first = w0 / pl.blocks_per_head;
+    const int bh_last = (w0 + nb - 1) / pl.blocks_per_head;
+    const int n_bh = bh_last - bh_first + 1;
+    auto phase_c = [&](int task) {
+      const int bh = bh_first + task / n_chunks, c = task % n_chunks;
+      const int n0 = c * chunk, n1 = imin(p.N, n0 + chunk);
+      float* out = p.scores + static_cast<int64_t>(bh) * p.N;
+      const int bi0 = imax(w0, bh * pl.blocks_per_head) - w0;
+      const int bi1 = imin(w0 + nb, (bh + 1) * pl.blocks_per_head) - w0;
+      for (int bi = bi0; bi < bi1; ++bi) {
+        const Block bk = block_at(p, pl, w0 + bi);
+        const int R = G * bk.nl;
+        const float* fm = finals.p + static_cast<int64_t>(bi) * Rmax;
+        const float* fl = fm + wave_rows;
+        const float* rows = logit_scratch.p + static_cast<int64_t>(bi) * Rmax * p.N;
+        for (int r = 0; r < R; ++r) {
+          if (!(fl[r] > 0.0f)) continue;
+          const int stop = imin(n1, key_limit(p, bk.l0 + r / G) + 1);
+          const v8f mv = splat(fm[r]), inv = splat(1.0f / fl[r]);
+          const float* sr = rows + static_cast<int64_t>(r) * p.N;
+          int n = n0;
+          for (; n + 8 <= stop; n += 8) store8(out + n, load8(out + n) + exp2v(load8(sr + n) - mv) * inv);
+          for (; n < stop; ++n) out[n] += exp2s(sr[n] - fm[r]) / fl[r];
+        }
+      }
+    };
+    const int64_t c_work = static_cast<int64_t>(nb) * Rmax * p.N;
+    run_parallel(n_bh * n_chunks, c_work > (1 << 15) ? pl.threads : 1, phase_c);
+  }
+}
+
+static void attention_cpu_entry(const AttentionProblem& p) { run_attention(p); }
+
+}  // namespace MLX_H2O_ISA_NS
+}  // namespace mlx_h2o

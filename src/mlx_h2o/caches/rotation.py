@@ -1,0 +1,119 @@
+"""Rotate-then-quantize for KV caches: a fixed random orthogonal rotation per layer, an optional
+per-coordinate scale λ, and the query/output transforms that let attention run in the stored space.
+
+Rotation R = B · diag(s) with s random ±1 signs (seeded) and B an orthonormal basis that mixes every
+coordinate: the normalised Walsh-Hadamard matrix when the head dim is a power of two, otherwise the
+orthonormal real DFT (cos/sin rows; the "SRFT" choice of shared/seeds/int4-kv-srft, defined for any
+size and fully mixing, where a block-Hadamard would only mix within blocks). R is kept as a dense
+D x D matrix and applied by matmul: exact for every D, inverse = transpose. (MLX's
+`hadamard_transform` is not used: it is not self-inverse for sizes with a factor 20 and returns wrong
+values for unsupported sizes such as 72.)
+
+Stored keys are  k~ = λk ⊙ (k Rᵀ);  queries become  q~ = (q Rᵀ) / λk,  so  ⟨q~, k~⟩ = ⟨q, k⟩.
+Stored values are v~ = λv ⊙ (v Rᵀ);  the attention output o~ = Σ p v~  maps back as  o = (o~ / λv) R.
+λ (per kv head and coordinate) is 1 / max |rotated value| over the prefill (or a calibration text),
+so every coordinate spans the same range before per-group quantization.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+LAMBDA_FLOOR = 1e-6
+
+
+def orthonormal_basis(dim: int) -> np.ndarray:
+    """Walsh-Hadamard (power-of-two dim) or real DFT (other dims), rows orthonormal, float64."""
+    if dim < 1:
+        raise ValueError(f"head dim must be >= 1, got {dim}")
+    if dim & (dim - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < dim:
+            h = np.block([[h, h], [h, -h]])
+        return h / np.sqrt(dim)
+    n = np.arange(dim)
+    rows = [np.full(dim, 1.0 / np.sqrt(dim))]
+    for k in range(1, (dim - 1) // 2 + 1):
+        rows.append(np.sqrt(2.0 / dim) * np.cos(2 * np.pi * k * n / dim))
+        rows.append(np.sqrt(2.0 / dim) * np.sin(2 * np.pi * k * n / dim))
+    if dim % 2 == 0:
+        rows.append((-1.0) ** n / np.sqrt(dim))
+    return np.stack(rows)
+
+
+def random_signs(dim: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).choice(np.array([-1.0, 1.0]), size=dim)
+
+
+class KVRotation:
+    """The per-layer transform of rotated caches. `signs_k` (Dk,), `signs_v` (Dv,) fix the rotations;
+    `lam_k`, `lam_v` (Hkv, D) or None (no per-coordinate scale)."""
+
+    def __init__(self, signs_k: mx.array, signs_v: mx.array, lam_k: Optional[mx.array] = None, lam_v: Optional[mx.array] = None):
+        self.signs_k, self.signs_v = signs_k, signs_v
+        self.rk, self.rk_t = self._matrices(signs_k)
+        self.rv, self.rv_t = self._matrices(signs_v)
+        self.lam_k, self.lam_v = lam_k, lam_v
+
+    @staticmethod
+    def _matrices(signs):
+        r = orthonormal_basis(signs.shape[0]) * np.array(signs.astype(mx.float32), dtype=np.float64)[None, :]
+        return mx.array(r.astype(np.float32)), mx.array(r.T.astype(np.float32))  # R, Rᵀ (x @ Rᵀ = x rotated)
+
+    @classmethod
+    def seeded(cls, dk: int, dv: int, seed: int) -> "KVRotation":
+        return cls(mx.array(random_signs(dk, seed).astype(np.float32)), mx.array(random_signs(dv, seed + 7919).astype(np.float32)))
+
+    # -- λ ------------------------------------------------------------------------------------
+    def fit_lambdas(self, keys: mx.array, values: mx.array) -> None:
+        """λ = 1 / max |rotated coordinate| per kv head, over every token (and batch) given."""
+        self.lam_k = self._fit(keys, self.rk_t)
+        self.lam_v = self._fit(values, self.rv_t)
+
+    @staticmethod
+    def _fit(x: mx.array, rt: mx.array) -> mx.array:
+        peak = mx.abs(x.astype(mx.float32) @ rt).max(axis=(0, 2))  # (Hkv, D)
+        return 1.0 / mx.maximum(peak, LAMBDA_FLOOR)
+
+    @staticmethod
+    def _per_head(lam: Optional[mx.array], heads: int) -> Optional[mx.array]:
+        if lam is None:
+            return None
+        return mx.repeat(lam, heads // lam.shape[0], axis=0)[None, :, None, :]  # (1, H, 1, D)
+
+    # -- the transforms ------------------------------------------------------------------------
+    def keys(self, k: mx.array) -> mx.array:
+        return self._store(k, self.rk_t, self.lam_k)
+
+    def values(self, v: mx.array) -> mx.array:
+        return self._store(v, self.rv_t, self.lam_v)
+
+    @staticmethod
+    def _store(x: mx.array, rt, lam) -> mx.array:
+        y = x.astype(mx.float32) @ rt
+        if lam is not None:
+            y = y * lam[None, :, None, :]
+        return y.astype(x.dtype)
+
+    def queries(self, q: mx.array) -> mx.array:
+        """float32 q~ for (B, Hq, L, Dk) queries."""
+        y = q.astype(mx.float32) @ self.rk_t
+        lam = self._per_head(self.lam_k, q.shape[1])
+        return y if lam is None else y / lam
+
+    def output(self, o: mx.array, dtype) -> mx.array:
+        """Attention output computed on stored values -> the model's space, in `dtype`."""
+        lam = self._per_head(self.lam_v, o.shape[1])
+        o = o.astype(mx.float32)
+        if lam is not None:
+            o = o / lam
+        return (o @ self.rv).astype(dtype)
+
+    @property
+    def state(self):
+        return {"signs_k": self.signs_k, "signs_v": self.signs_v, "lam_k": self.lam_k, "lam_v": self.lam_v}
+
+    @classmethod
+    def from_state(cls, state) -> "KVRotation":
+        return cls(state["signs_k"], state["signs_v"], state["lam_k"], state["lam_v"])

@@ -1,0 +1,167 @@
+"""Fused attention over packed K/V (and over several differently stored segments) against
+dequantize-then-reference, for every bits / group size / scale dtype / mask / GQA shape."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from attention_reference import DTYPES, HEADS, check, make_inputs, random_mask
+
+import mlx_h2o
+from mlx_h2o import PackedKV, attention_with_scores
+
+qsdpa = mlx_h2o.quantized_scaled_dot_product_attention_with_scores
+BITS = [2, 3, 4, 5, 6, 8]
+GROUPS = [32, 64, 128]
+
+
+def numpy_dequantize(packed, scales, biases, bits, group_size):
+    """MLX's affine format read independently in NumPy (float64): each row of uint32 words is a
+    little-endian bit stream of `bits`-bit values; value = scale * q + bias per group."""
+    words = np.array(packed)
+    raw = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")  # (..., 32 * W) bits
+    D = raw.shape[-1] // bits
+    q = (raw[..., : D * bits].reshape(*raw.shape[:-1], D, bits) << np.arange(bits)).sum(-1)
+    s = np.repeat(np.array(scales.astype(mx.float32), dtype=np.float64), group_size, axis=-1)
+    b = np.repeat(np.array(biases.astype(mx.float32), dtype=np.float64), group_size, axis=-1)
+    return s * q + b
+
+
+def quantize(x, bits, group_size):
+    """(triple, dequantized): the reference sees exactly the values stored (MLX's own dequantize
+    rounds through the scales' dtype, so it is not used here)."""
+    triple = mx.quantize(x, group_size=group_size, bits=bits)
+    deq = numpy_dequantize(*triple, bits, group_size)
+    # Sanity: the bit layout matches MLX's own decoder.
+    mlx_deq = np.array(mx.dequantize(*triple, group_size=group_size, bits=bits).astype(mx.float32))
+    ulp = {mx.float32: 2**-22, mx.float16: 2**-9, mx.bfloat16: 2**-6}[x.dtype]  # of MLX's rounding
+    assert np.abs(deq - mlx_deq).max() <= ulp * max(1.0, np.abs(deq).max())
+    return triple, mx.array(deq.astype(np.float32))
+
+
+def _quantized_fn(bits, group_size):
+    def fn(q, kq, vq, **kw):
+        return qsdpa(q, kq, vq, bits=bits, group_size=group_size, **kw)
+
+    return fn
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_quantized_every_bits_group_dtype(bits, group_size, dtype):
+    rng = np.random.default_rng(bits * 1000 + group_size)
+    q, k, v = make_inputs(rng, 2, 9, 3, 3, 517, 128, DTYPES[dtype])
+    kq, kd = quantize(k, bits, group_size)
+    vq, vd = quantize(v, bits, group_size)
+    check(q, kq, vq, 128**-0.5, "causal", fn=_quantized_fn(bits, group_size), ref_kv=(kd, vd))
+
+
+def test_quantized_sweep_shapes_masks_and_other_bit_widths():
+    """GQA shapes x lengths x masks, with the bit widths (2, 3, 5, 6) the rotated caches use too."""
+    rng = np.random.default_rng(1)
+    bits = itertools.cycle(BITS)
+    groups = itertools.cycle(GROUPS)
+    dtypes = itertools.cycle(DTYPES.values())
+    masks = itertools.cycle([None, "causal", "bool", "additive"])
+    for (Hq, Hkv), L, N in itertools.product(HEADS, [1, 7, 33], [1, 64, 1000]):
+        b, g, dtype, kind = next(bits), next(groups), next(dtypes), next(masks)
+        if kind == "causal" and L > N:
+            kind = None
+        B = 1 + (N % 2)
+        q, k, v = make_inputs(rng, B, Hq, Hkv, L, N, 128, dtype)
+        kq, kd = quantize(k, b, g)
+        vq, vd = quantize(v, b, g)
+        check(q, kq, vq, 0.09, random_mask(rng, kind, B, Hq, L, N), fn=_quantized_fn(b, g), ref_kv=(kd, vd))
+
+
+def test_quantized_sinks_and_head_dim_64():
+    rng = np.random.default_rng(2)
+    q, k, v = make_inputs(rng, 1, 8, 2, 2, 300, 64, mx.float16)
+    sinks = mx.array(rng.standard_normal(8).astype(np.float32))
+    kq, kd = quantize(k, 4, 64)
+    vq, vd = quantize(v, 4, 64)
+    check(q, kq, vq, 0.125, "causal", sinks=sinks, fn=_quantized_fn(4, 64), ref_kv=(kd, vd))
+
+
+def test_strided_cache_views():
+    """mlx-lm's QuantizedKVCache hands out views of a larger, step-allocated buffer."""
+    rng = np.random.default_rng(3)
+    q, k, v = make_inputs(rng, 1, 9, 3, 1, 700, 64, mx.float32)
+    kq, kd = quantize(k, 8, 64)
+    vq, vd = quantize(v, 8, 64)
+    kq = tuple(a[:, :, :650] for a in kq)
+    vq = tuple(a[:, :, :650] for a in vq)
+    check(q, kq, vq, 0.125, None, fn=_quantized_fn(8, 64), ref_kv=(kd[:, :, :650], vd[:, :, :650]))
+
+
+def test_segments_mixed_formats():
+    """8-bit heavy hitters + 4-bit recent window + a dense full-precision tail, K and V each in their
+    own format, against the reference on the concatenated (dequantized) keys."""
+    rng = np.random.default_rng(4)
+    B, Hq, Hkv, L, D = 2, 9, 3, 4, 64
+    q = make_inputs(rng, B, Hq, Hkv, L, 1, D, mx.float32)[0]
+    lengths, formats = [300, 70, 16], [(8, 32), (4, 64), None]
+    segments, ks, vs = [], [], []
+    for n, fmt in zip(lengths, formats):
+        _, k, v = make_inputs(rng, B, Hq, Hkv, L, n, D, mx.float16)
+        if fmt is None:
+            segments.append((k, v))
+            ks.append(k.astype(mx.float32))
+            vs.append(v.astype(mx.float32))
+            continue
+        (kq, kd), (vq, vd) = quantize(k, *fmt), quantize(v, fmt[0], 32)  # V at another group size
+        segments.append((PackedKV(*kq, *fmt), PackedKV(*vq, fmt[0], 32)))
+        ks.append(kd)
+        vs.append(vd)
+    ref_kv = (mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))
+
+    def fused(q, k, v, **kw):
+        return attention_with_scores(q, segments, **kw)
+
+    def composed(q, k, v, **kw):
+        return attention_with_scores(q, segments, composed=True, **kw)
+
+    for fn in (fused, composed):
+        for mask in ("causal", random_mask(rng, "bool", B, Hq, L, sum(lengths))):
+            check(q, None, None, D**-0.5, mask, fn=fn, ref_kv=ref_kv)
+
+
+def test_kivi_style_8bit_keys_4bit_values():
+    rng = np.random.default_rng(6)
+    q, k, v = make_inputs(rng, 1, 4, 4, 1, 999, 64, mx.bfloat16)
+    kq, kd = quantize(k, 8, 32)
+    vq, vd = quantize(v, 4, 64)
+
+    def fn(q, k, v, **kw):
+        return attention_with_scores(q, [(PackedKV(*kq, 8, 32), PackedKV(*vq, 4, 64))], **kw)
+
+    check(q, None, None, 0.125, None, fn=fn, ref_kv=(kd, vd))
+
+
+def test_bad_quantized_input():
+    rng = np.random.default_rng(0)
+    q, k, v = make_inputs(rng, 1, 4, 2, 1, 10, 64, mx.float32)
+    kq, vq = mx.quantize(k, group_size=64, bits=4), mx.quantize(v, group_size=64, bits=4)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        qsdpa(q, kq, vq, scale=0.1, bits=7, group_size=64)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        qsdpa(q, kq, vq, scale=0.1, bits=4, group_size=16)
+    with pytest.raises(ValueError, match="scales for group_size"):
+        qsdpa(q, kq, vq, scale=0.1, bits=4, group_size=32)  # packed with 64
+    with pytest.raises(ValueError, match="same head dim"):
+        qsdpa(q, kq, vq, scale=0.1, bits=8, group_size=32)  # 4-bit words read as 8-bit: D=32
+    with pytest.raises(ValueError, match="triple"):
+        qsdpa(q, kq[:2], vq, scale=0.1, bits=4, group_size=64)
+    with pytest.raises(ValueError, match="uint32"):
+        qsdpa(q, (kq[0].astype(mx.int32), kq[1], kq[2]), vq, scale=0.1, bits=4, group_size=64)
+    with pytest.raises(ValueError, match="disagree"):
+        qsdpa(q, (kq[0][:, :, :5], kq[1], kq[2]), vq, scale=0.1, bits=4, group_size=64)
+    with pytest.raises(ValueError, match="bits must be an integer"):
+        qsdpa(q, kq, vq, scale=0.1, bits=4.0, group_size=64)
+    with pytest.raises(ValueError, match="segments"):
+        attention_with_scores(q, "kv", scale=0.1)
+    with pytest.raises(ValueError, match="PackedKV"):
+        attention_with_scores(q, [(kq, v)], scale=0.1)
+    with pytest.raises(ValueError, match="at most 4"):
+        attention_with_scores(q, [(k, v)] * 5, scale=0.1)
