@@ -33,11 +33,12 @@ def _positive_int(text):
 
 
 # --h2o-* flags -> h2o policy options (see caches/h2o.py); None means "policy default".
-_H2O_FLAGS = ("split", "score", "select", "sink", "heavy", "recent", "decay", "evict_every", "obs_window", "pin")
+_H2O_FLAGS = ("split", "score", "select", "sink", "heavy", "recent", "decay", "evict_every", "obs_window", "pin", "kv_bits",
+              "rotate")
 
 
 def _add_h2o_args(p):
-    from .caches.h2o import SELECTIONS, SPLITS
+    from .caches.h2o import KV_BITS, SELECTIONS, SPLITS
     from .caches.scoring import SCORE_RULES
 
     h = p.add_argument_group("h2o policy (--cache h2o)")
@@ -51,6 +52,10 @@ def _add_h2o_args(p):
     h.add_argument("--h2o-evict-every", type=_positive_int, help="evict every N tokens: peak M + N - 1 entries, one gather per N tokens")
     h.add_argument("--h2o-obs-window", type=int, help="score a prompt by what its last N tokens attend to (SnapKV-style; 0 = off)")
     h.add_argument("--h2o-pin", nargs="+", metavar="START:END", help="token ranges never evicted (outside the budget)")
+    h.add_argument("--h2o-kv-bits", choices=(*KV_BITS, "mixed"),
+                   help="store K/V packed: 8, 4, or HEAVY/RECENT bits (mixed = 4/8; fp = model dtype); default: model dtype")
+    h.add_argument("--h2o-rotate", action="store_const", const=True,
+                   help="rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality")
 
 
 def _h2o_options(args) -> dict:

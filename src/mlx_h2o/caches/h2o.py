@@ -22,6 +22,7 @@ How it fits mlx-lm without model edits:
   give no scores: the cache notices, warns once and keeps sink + the most recent entries instead.
 """
 
+import itertools
 import json
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -33,9 +34,11 @@ from mlx_lm.models import cache as lm_cache
 from mlx_lm.models.base import create_causal_mask
 
 from .. import hook
-from ..attention import scaled_dot_product_attention_with_scores
+from ..attention import attention_with_scores
 from . import per_layer_caches, register_cache_class, register_policy
 from .baseline import check_max_kv_size
+from .kv_store import KVStore, TieredKV
+from .rotation import KVRotation
 from .scoring import SCORE_RULES, make_rule, max_pool
 
 SPLITS = ("heavy", "balanced", "recent", "explicit")
@@ -47,6 +50,21 @@ DEFAULT_SPLIT = "heavy"
 DEFAULT_EVICT_EVERY = 1
 DEFAULT_SINK = 4
 DEFAULT_OBS_POOL = 7
+DEFAULT_KV_GROUP_SIZE = 32
+KV_GROUP_SIZES = (32, 64, 128)
+# "mixed" = older rows (sink + heavy hitters) at 4 bits, the recent window at 8: the newest rows take
+# most of the attention, and a row is converted once, downwards, when it leaves the window.
+KV_BITS = ("8", "4", "8/4", "4/8", "8/fp", "4/fp")
+KV_BITS_ALIASES = {"mixed": "4/8", 8: "8", 4: "4"}
+
+
+def _check_kv_bits(kv_bits) -> Optional[str]:
+    if kv_bits is None:
+        return None
+    kv_bits = KV_BITS_ALIASES.get(kv_bits, kv_bits)
+    if kv_bits not in KV_BITS:
+        raise ValueError(f"kv_bits must be None, 8, 4, 'mixed' or one of {list(KV_BITS)} (heavy/recent), got {kv_bits!r}")
+    return kv_bits
 _GROW_STEP = 256
 
 
@@ -102,6 +120,10 @@ class H2OConfig:
     obs_pool: int = DEFAULT_OBS_POOL
     pin: Tuple[Tuple[int, int], ...] = field(default_factory=tuple)
     split: str = DEFAULT_SPLIT
+    kv_bits: Optional[str] = None  # None (model dtype), "8", "4", or "HEAVY/RECENT" (e.g. "4/8", "4/fp")
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+    rotate: bool = False
+    rotate_lam: str = "prefill"
 
     @classmethod
     def build(
@@ -118,6 +140,10 @@ class H2OConfig:
         obs_window: int = 0,
         obs_pool: int = DEFAULT_OBS_POOL,
         pin=None,
+        kv_bits=None,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+        rotate: bool = False,
+        rotate_lam: str = "prefill",
     ) -> "H2OConfig":
         M = check_max_kv_size(max_kv_size)
         if split not in SPLITS:
@@ -142,7 +168,30 @@ class H2OConfig:
         evict_every = _check_int("evict_every", evict_every, 1, M - sink)
         obs_window = _check_int("obs_window", obs_window, 0)
         obs_pool = _check_int("obs_pool", obs_pool, 1)
-        return cls(M, sink, heavy, recent, score, decay, select, evict_every, obs_window, obs_pool, _check_spans(pin), split)
+        kv_bits = _check_kv_bits(kv_bits)
+        if kv_group_size not in KV_GROUP_SIZES or isinstance(kv_group_size, bool):
+            raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {kv_group_size!r}")
+        if not isinstance(rotate, bool):
+            raise ValueError(f"rotate must be True or False, got {rotate!r}")
+        rotate_lam = "none" if rotate_lam is None else rotate_lam
+        if rotate_lam not in ("prefill", "none"):
+            raise ValueError(f"rotate_lam must be one of ['prefill', 'none'], got {rotate_lam!r}")
+        return cls(M, sink, heavy, recent, score, decay, select, evict_every, obs_window, obs_pool, _check_spans(pin), split,
+                   kv_bits, kv_group_size, rotate, rotate_lam)
+
+    def tiers(self) -> Tuple[Optional[int], Optional[int]]:
+        """(bits of the older rows, bits of the recent window); None = the model's dtype."""
+        if self.kv_bits is None:
+            return None, None
+        heavy, _, recent = self.kv_bits.partition("/")
+        as_bits = lambda t: None if t == "fp" else int(t)  # noqa: E731
+        return as_bits(heavy), as_bits(recent or heavy)
+
+    def make_store(self):
+        low, high = self.tiers()
+        if low == high:
+            return KVStore(low, self.kv_group_size)
+        return TieredKV(low, high, self.recent, self.kv_group_size)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -182,15 +231,18 @@ def select_entries(priority: mx.array, protected: mx.array, count: int, shared: 
 class H2OKVCache(lm_cache._BaseCache):
     """Sink + heavy hitters + recent window, per kv head; see the module docstring."""
 
-    def __init__(self, config: H2OConfig):
+    def __init__(self, config: H2OConfig, seed: int = 0):
         self.config = config
+        self.seed = seed  # of this layer's rotation (rotate=True)
         self.rule = make_rule(config.score, config.decay)
         self.reset()
 
     # ------------------------------------------------------------------ protocol
     def reset(self):
         """Forget everything (an independent generation starts from scratch)."""
-        self.keys = self.values = self.acc = self.positions = None
+        self.store = self.config.make_store()  # K/V rows (dense, packed or tiered), position order
+        self.rotation: Optional[KVRotation] = None  # rotate=True: the layer's rotation and λ
+        self.acc = self.positions = None
         self.offset = 0  # tokens processed: RoPE position of the next token
         self.length = 0  # entries physically held
         self.peak = 0  # most entries ever held at once (bound: M + evict_every - 1 + pinned)
@@ -202,12 +254,13 @@ class H2OKVCache(lm_cache._BaseCache):
         return self.length
 
     def empty(self):
-        return self.keys is None
+        return self.acc is None
 
     @property
     def nbytes(self):
-        # Keys and values plus the per-entry score and position bookkeeping.
-        return sum(a.nbytes for a in (self.keys, self.values, self.acc, self.positions) if a is not None)
+        # Stored K/V rows plus the per-entry score and position bookkeeping.
+        n = self.length
+        return self.store.nbytes() + sum(a[..., :n].nbytes for a in (self.acc, self.positions) if a is not None)
 
     def is_trimmable(self):
         return True
@@ -222,26 +275,33 @@ class H2OKVCache(lm_cache._BaseCache):
         tail = np.array(self.positions[..., self.length - n : self.length])
         run = (tail == np.arange(self.offset - n, self.offset)).all(axis=(0, 1))[::-1]
         n = int(n if run.all() else np.argmin(run))
+        self.store.trim(n)
         self.length -= n
         self.offset -= n
         return n
 
     @property
     def state(self):
-        meta = json.dumps({"config": self.config.to_json(), "offset": self.offset, "length": self.length,
+        meta = json.dumps({"config": self.config.to_json(), "seed": self.seed, "offset": self.offset, "length": self.length,
                            "peak": self.peak, "evictions": self.evictions, "scoreless": self.scoreless})
-        if self.keys is None:
+        if self.acc is None:
             return None, None, None, None, meta
         n = self.length
-        return (self.keys[..., :n, :], self.values[..., :n, :], self.acc[..., :n], self.positions[..., :n], meta)
+        rotation = None if self.rotation is None else self.rotation.state
+        return (self.store.state(), rotation, self.acc[..., :n], self.positions[..., :n], meta)
 
     @state.setter
     def state(self, v):
-        keys, values, acc, positions, meta = v
+        store, rotation, acc, positions, meta = v
         meta = json.loads(meta)
         self.config = H2OConfig.from_json(meta["config"])
+        self.seed = meta.get("seed", 0)
         self.rule = make_rule(self.config.score, self.config.decay)
-        self.keys, self.values, self.acc, self.positions = keys, values, acc, positions
+        self.store = self.config.make_store()
+        if store is not None:
+            self.store.load(store)
+        self.rotation = None if rotation is None else KVRotation.from_state(rotation)
+        self.acc, self.positions = acc, positions
         self.offset, self.length, self.peak = meta["offset"], meta["length"], meta["peak"]
         self.evictions, self.scoreless = meta["evictions"], meta["scoreless"]
         self._awaiting_scores = False
@@ -286,11 +346,15 @@ class H2OKVCache(lm_cache._BaseCache):
         keep = self._keep_count(L)
         return self.length if keep is None else keep
 
+    def _recent_kept(self, keep: int) -> int:
+        """Entries of the recent window an eviction to `keep` protects (the new tokens complete it);
+        they are the newest entries, the tail of the layout."""
+        cfg = self.config
+        return max(keep - cfg.pinned_before(self.offset) - cfg.sink - cfg.heavy, 0)
+
     def _protected(self, positions: mx.array, keep: int) -> mx.array:
         cfg = self.config
-        target = keep - cfg.pinned_before(self.offset)
-        recent_old = max(target - cfg.sink - cfg.heavy, 0)  # the new tokens complete the window
-        protected = (positions < cfg.sink) | (positions >= self.offset - recent_old)
+        protected = (positions < cfg.sink) | (positions >= self.offset - self._recent_kept(keep))
         pinned = cfg.pinned_mask(positions)
         return protected if pinned is None else protected | pinned
 
@@ -302,13 +366,12 @@ class H2OKVCache(lm_cache._BaseCache):
         else:
             priority = self.rule.priority(self.acc[..., :n], pos, self.offset)
         idx = select_entries(priority, self._protected(pos, keep), keep, self.config.select == "layer")
-        idx = mx.broadcast_to(idx, (*self.keys.shape[:2], keep))
+        idx = mx.broadcast_to(idx, (*self.acc.shape[:2], keep))
+        self.store.gather(idx, keep, self._recent_kept(keep), capacity)
         if capacity > keep:
             # Gather straight into a buffer with room for the next appends (the spare slots hold
             # copies of entry 0 until overwritten; nothing reads past `length`).
             idx = mx.concatenate([idx, mx.zeros((*idx.shape[:2], capacity - keep), idx.dtype)], axis=2)
-        self.keys = mx.take_along_axis(self.keys[..., :n, :], idx[..., None], axis=2)
-        self.values = mx.take_along_axis(self.values[..., :n, :], idx[..., None], axis=2)
         self.acc = mx.take_along_axis(self.acc[..., :n], idx, axis=2)
         self.positions = mx.take_along_axis(self.positions[..., :n], idx, axis=2)
         self.length = keep
@@ -326,58 +389,71 @@ class H2OKVCache(lm_cache._BaseCache):
         if self._awaiting_scores:
             self._lost_scores()
         B, H, L, _ = keys.shape
-        if self.keys is not None and (B, H) != tuple(self.keys.shape[:2]):
-            raise ValueError(f"keys have batch/heads {(B, H)} but the cache holds {tuple(self.keys.shape[:2])}; reset() it first")
-        keep = self._keep_count(L) if self.keys is not None else None
+        if self.acc is not None and (B, H) != tuple(self.acc.shape[:2]):
+            raise ValueError(f"keys have batch/heads {(B, H)} but the cache holds {tuple(self.acc.shape[:2])}; reset() it first")
+        keep = self._keep_count(L) if self.acc is not None else None
         if keep is not None:
             self._evict(keep, self._capacity(keep + L))
+        if self.config.rotate:
+            if self.rotation is None:
+                self.rotation = KVRotation.seeded(keys.shape[-1], values.shape[-1], seed=self.seed)
+                if self.config.rotate_lam == "prefill":
+                    self.rotation.fit_lambdas(keys, values)
+            keys, values = self.rotation.keys(keys), self.rotation.values(values)
         P = self.length
-        if self.keys is None or P + L > self.keys.shape[2]:
-            self._grow(B, H, keys, values, self._capacity(P + L))
-        self.keys[..., P : P + L, :] = keys
-        self.values[..., P : P + L, :] = values
+        if self.acc is None or P + L > self.acc.shape[2]:
+            self._grow(B, H, self._capacity(P + L))
+        self.store.append(keys, values, self.acc.shape[2])
         self.acc[..., P : P + L] = mx.zeros((B, H, L), mx.float32)
         self.positions[..., P : P + L] = mx.broadcast_to(mx.arange(self.offset, self.offset + L, dtype=mx.int32), (B, H, L))
         self.offset += L
         self.length = P + L
         self.peak = max(self.peak, self.length)
         self._awaiting_scores = True
-        return self.keys[..., : self.length, :], self.values[..., : self.length, :]
+        if isinstance(self.store, KVStore) and self.store.k.bits is None and self.rotation is None:
+            return self.store.k.view(self.length), self.store.v.view(self.length)  # plain arrays, as KVCache
+        # Packed, tiered or rotated rows: the segments go through the model untouched to attend().
+        return self.store.segments(), None
 
-    def _grow(self, B, H, keys, values, capacity):
+    def _grow(self, B, H, capacity):
         def grown(buf, shape, dtype):
             fresh = mx.zeros(shape, dtype)
             if buf is None:
                 return fresh
             return mx.concatenate([buf[:, :, : self.length], fresh[:, :, : capacity - self.length]], axis=2)
 
-        self.keys = grown(self.keys, (B, H, capacity, keys.shape[3]), keys.dtype)
-        self.values = grown(self.values, (B, H, capacity, values.shape[3]), values.dtype)
         self.acc = grown(self.acc, (B, H, capacity), mx.float32)
         self.positions = grown(self.positions, (B, H, capacity), mx.int32)
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         """Attention for this layer (called through the hook), folding the scores into the cache."""
-        N = keys.shape[2]
+        segments = keys if isinstance(keys, list) else [(keys, values)]
+        N = sum((k.packed if hasattr(k, "packed") else k).shape[2] for k, _ in segments)
         if N != self.length:
             raise ValueError(f"attention over {N} keys but the h2o cache holds {self.length}: keys must come from update_and_fetch")
         L = queries.shape[2]
-        op = scaled_dot_product_attention_with_scores
+        dtype = queries.dtype
+        if self.rotation is not None:
+            queries = self.rotation.queries(queries)  # <R q, R k> = <q, k>: attend in the stored space
+
+        def op(q, mask, scores):
+            return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)
+
         w = self.config.obs_window
         if w and L > w:
             # Observation window (SnapKV): score the prompt by what its last w rows attend to, pooled
             # along positions, as if every row of the call attended that way.
-            out, _ = op(queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks)
-            _, raw = op(queries[:, :, -w:], keys, values, scale=scale, mask=_last_rows(mask, w, L), scores=self.rule.op_scores, sinks=sinks)
-            stats = max_pool(self.rule.stats(raw, self.keys.shape[1], w), self.config.obs_pool)
+            out, _ = op(queries, mask, None)
+            _, raw = op(queries[:, :, -w:], _last_rows(mask, w, L), self.rule.op_scores)
+            stats = max_pool(self.rule.stats(raw, self.acc.shape[1], w), self.config.obs_pool)
             live = N - (w - 1) / 2
         else:
-            out, raw = op(queries, keys, values, scale=scale, mask=mask, scores=self.rule.op_scores, sinks=sinks)
-            stats = self.rule.stats(raw, self.keys.shape[1], L)
+            out, raw = op(queries, mask, self.rule.op_scores)
+            stats = self.rule.stats(raw, self.acc.shape[1], L)
             live = N - (L - 1) / 2  # mean number of entries a row of the call attended (causal)
         self.acc[..., :N] = self.rule.update(self.acc[..., :N], stats, L, live)
         self._awaiting_scores = False
-        return out
+        return out if self.rotation is None else self.rotation.output(out, dtype)
 
     def _lost_scores(self):
         if not self.scoreless:
@@ -412,7 +488,8 @@ def h2o_cache(model, max_kv_size=None, **options):
         raise ValueError(f"unknown h2o options {unknown}; allowed: {allowed}")
     config = H2OConfig.build(max_kv_size, **options)
     hook.install()
-    return per_layer_caches(model, lambda: H2OKVCache(config))
+    layer = itertools.count()
+    return per_layer_caches(model, lambda: H2OKVCache(config, seed=next(layer)))
 
 
 __all__ = ["H2OConfig", "H2OKVCache", "SCORE_RULES", "select_entries", "h2o_cache"]
