@@ -21,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from mlx_h2o.caches.h2o import H2OKVCache
-from mlx_h2o.evaluation import decode_benchmark, load_corpus, token_samples
+from mlx_h2o.evaluation import decode_benchmark, decode_step_times, load_corpus, token_samples
 from mlx_h2o.evaluation.report import markdown_table
 
 
@@ -29,17 +29,6 @@ def _prefill(model, cache, tokens, chunk=512):
     for i in range(0, len(tokens), chunk):
         mx.eval(model(mx.array(tokens[i : i + chunk])[None], cache=cache))
     mx.eval([c.state for c in cache])
-
-
-def _step_times(model, cache, token, steps):
-    y = mx.array([[token]])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
-        mx.eval(y)
-        times.append(time.perf_counter() - t)
-    return times
 
 
 def speed_at_context(model, tokens, context, budget, steps, score):
@@ -71,7 +60,7 @@ def eviction_overhead(model, tokens, budget, slacks, steps, rounds, score):
         caches.append((label, cache, [], tokens[ctx]))
     for _ in tqdm(range(rounds), desc="overhead rounds", leave=False):
         for label, cache, times, tok in caches:
-            times += _step_times(model, cache, tok, steps)
+            times += decode_step_times(model, cache, mx.array([[tok]]), steps)
     base = np.median(caches[0][2])
     rows = []
     for label, cache, times, _ in caches:

@@ -37,6 +37,16 @@ def _step_logits(model, x, cache, prefill=8):
     return np.array(mx.stack(out, axis=1).astype(mx.float32))
 
 
+def _greedy_logits(model, cache, token, steps):
+    """Logits of `steps` greedy steps from `token` (a generation continued from a cache)."""
+    y, out = mx.array([token]), []
+    for _ in range(steps):
+        logits = model(y[None], cache=cache)[0, -1]
+        y = mx.argmax(logits, keepdims=True)
+        out.append(np.array(logits))
+    return np.stack(out)
+
+
 # ----------------------------------------------------------------------------- NumPy references
 def _np_priority(cfg, acc, pos, offset):
     if cfg.score == "normalised":
@@ -373,16 +383,7 @@ def test_save_load_round_trip_reproduces_generation(tmp_path):
     for a, b in zip(cache, loaded):
         assert (a.offset, a.length, a.config) == (b.offset, b.length, b.config)
 
-    def continue_from(c):
-        y = mx.array([last])
-        out = []
-        for _ in range(30):
-            logits = model(y[None], cache=c)[0, -1]
-            y = mx.argmax(logits, keepdims=True)
-            out.append(np.array(logits))
-        return np.stack(out)
-
-    np.testing.assert_array_equal(continue_from(loaded), continue_from(cache))
+    np.testing.assert_array_equal(_greedy_logits(model, loaded, last, 30), _greedy_logits(model, cache, last, 30))
 
 
 def test_mlx_lm_batch_generator_gets_a_clear_error():
@@ -573,15 +574,7 @@ def test_low_bit_caches_save_load_and_trim(tmp_path):
         loaded = lm_cache.load_prompt_cache(path)
         assert loaded[0].store.nbytes() == cache[0].store.nbytes()
 
-        def continue_from(c):
-            y, out = mx.array([last]), []
-            for _ in range(12):
-                logits = model(y[None], cache=c)[0, -1]
-                y = mx.argmax(logits, keepdims=True)
-                out.append(np.array(logits))
-            return np.stack(out)
-
-        np.testing.assert_array_equal(continue_from(loaded), continue_from(cache))
+        np.testing.assert_array_equal(_greedy_logits(model, loaded, last, 12), _greedy_logits(model, cache, last, 12))
         # Trimming the recent window drops rows from the newest tier first.
         n = cache[0].length
         assert [c.trim(3) for c in cache] == [3, 3]

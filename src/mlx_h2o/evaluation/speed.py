@@ -9,11 +9,22 @@ import numpy as np
 from .memory import kv_bytes, memory_snapshot
 
 
+def decode_step_times(model, cache, y: mx.array, steps: int) -> list:
+    """Seconds of each of `steps` greedy decode steps from token(s) y (B, 1): one model call plus
+    the sampling, evaluated before the clock stops, as mlx_lm.generate does."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        mx.eval(y)
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def decode_benchmark(model, cache, context_tokens, steps: int = 64, prefill_chunk: int = 512, progress=None) -> dict:
     """Prefill `context_tokens` (1-D) through `cache` in chunks, then time `steps` greedy decode steps.
 
-    Each step is one model call plus the sampling, evaluated before the clock stops, as
-    mlx_lm.generate does. Returns tok/s, p50/p99/max step latency (ms), memory and KV bytes.
+    Returns tok/s, p50/p99/max step latency (ms), memory and KV bytes.
     """
     ctx = mx.array(np.asarray(context_tokens))[None]
     if ctx.shape[1] < 1:
@@ -26,14 +37,7 @@ def decode_benchmark(model, cache, context_tokens, steps: int = 64, prefill_chun
         if progress:
             progress(min(prefill_chunk, ctx.shape[1] - 1 - i))
     prefill_s = time.perf_counter() - t0
-    y = ctx[:, -1:]
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
-        mx.eval(y)
-        times.append(time.perf_counter() - t)
-    ms = np.array(times) * 1e3
+    ms = np.array(decode_step_times(model, cache, ctx[:, -1:], steps)) * 1e3
     return {
         "context": int(ctx.shape[1]),
         "steps": steps,
