@@ -93,3 +93,23 @@ def test_bad_policy_specs_and_sizes(smollm):
     with pytest.raises(ValueError, match="key=value"):
         parse_specs(["rotating:128"])
     assert parse_specs(["rotating:max_kv_size=64,keep=2"])[0].options == {"max_kv_size": 64, "keep": 2}
+
+
+def test_decode_benchmark_reports_a_consistent_distribution():
+    from tiny_models import tiny_model
+
+    from mlx_h2o.evaluation import decode_benchmark
+
+    model = tiny_model("llama")
+    tokens = np.random.default_rng(0).integers(0, 128, 300)
+    cache = mlx_h2o.make_cache(model, "full")
+    r = decode_benchmark(model, cache, tokens, steps=12, prefill_chunk=128)
+    assert r["context"] == 300 and r["steps"] == 12
+    assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
+    assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
+    # The cache holds the 299 prefilled tokens plus the 12 decoded ones; K and V, fp32.
+    layers, kv_heads, head_dim = 2, 2, 16
+    assert cache[0].offset == 299 + 12
+    assert r["kv_bytes"] == layers * 2 * kv_heads * (299 + 12) * head_dim * 4
+    with pytest.raises(ValueError, match="context_tokens"):
+        decode_benchmark(model, mlx_h2o.make_cache(model, "full"), np.array([], dtype=np.int64))
