@@ -37,7 +37,7 @@ from .. import hook
 from ..attention import attention_with_scores
 from . import per_layer_caches, register_cache_class, register_policy
 from .baseline import check_max_kv_size
-from .kv_store import KVStore, TieredKV
+from .kv_store import GROW_STEP, KVStore, TieredKV, pad_indices
 from .rotation import KVRotation
 from .scoring import SCORE_RULES, make_rule, max_pool
 
@@ -65,7 +65,6 @@ def _check_kv_bits(kv_bits) -> Optional[str]:
     if kv_bits not in KV_BITS:
         raise ValueError(f"kv_bits must be None, 8, 4, 'mixed' or one of {list(KV_BITS)} (heavy/recent), got {kv_bits!r}")
     return kv_bits
-_GROW_STEP = 256
 
 
 def _check_int(name, value, low, high=None):
@@ -367,11 +366,8 @@ class H2OKVCache(lm_cache._BaseCache):
             priority = self.rule.priority(self.acc[..., :n], pos, self.offset)
         idx = select_entries(priority, self._protected(pos, keep), keep, self.config.select == "layer")
         idx = mx.broadcast_to(idx, (*self.acc.shape[:2], keep))
+        idx = pad_indices(idx, capacity)  # gather straight into buffers with room for the next appends
         self.store.gather(idx, keep, self._recent_kept(keep), capacity)
-        if capacity > keep:
-            # Gather straight into a buffer with room for the next appends (the spare slots hold
-            # copies of entry 0 until overwritten; nothing reads past `length`).
-            idx = mx.concatenate([idx, mx.zeros((*idx.shape[:2], capacity - keep), idx.dtype)], axis=2)
         self.acc = mx.take_along_axis(self.acc[..., :n], idx, axis=2)
         self.positions = mx.take_along_axis(self.positions[..., :n], idx, axis=2)
         self.length = keep
@@ -382,7 +378,7 @@ class H2OKVCache(lm_cache._BaseCache):
         steady = cfg.max_kv_size + cfg.evict_every - 1 + cfg.pinned_before(self.offset + 1)
         if needed > steady:
             return needed
-        return min(steady, -(-needed // _GROW_STEP) * _GROW_STEP)
+        return min(steady, -(-needed // GROW_STEP) * GROW_STEP)
 
     # ------------------------------------------------------------------ mlx-lm calls
     def update_and_fetch(self, keys: mx.array, values: mx.array):

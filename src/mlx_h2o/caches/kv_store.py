@@ -20,6 +20,15 @@ from ..attention import PackedKV
 GROW_STEP = 256
 
 
+def pad_indices(idx: mx.array, capacity: int) -> mx.array:
+    """idx (B, H, keep) padded with zeros to `capacity` columns: a gather with it leaves spare slots
+    (copies of entry 0 until overwritten; nothing reads past the live length)."""
+    keep = idx.shape[2]
+    if capacity <= keep:
+        return idx
+    return mx.concatenate([idx, mx.zeros((*idx.shape[:2], capacity - keep), idx.dtype)], axis=2)
+
+
 class RowStore:
     def __init__(self, bits: Optional[int] = None, group_size: int = 32):
         self.bits, self.group_size = bits, group_size
@@ -102,10 +111,9 @@ class KVStore:
         self.length += keys.shape[2]
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
-        """Keep layout rows idx (B, H, keep), leaving room for `capacity` rows (padding indices fill
-        the spare slots with copies; nothing reads past `length`)."""
-        if capacity > keep:
-            idx = mx.concatenate([idx, mx.zeros((*idx.shape[:2], capacity - keep), idx.dtype)], axis=2)
+        """Keep layout rows idx (B, H, >= keep; the first `keep` are kept), leaving room for
+        `capacity` rows (padding indices fill the spare slots; nothing reads past `length`)."""
+        idx = pad_indices(idx, capacity)
         self.k.gather(idx, self.length)
         self.v.gather(idx, self.length)
         self.length = keep
@@ -144,7 +152,9 @@ class TieredKV:
         return self.low.length + self.high.length
 
     def append(self, keys, values, capacity: int) -> None:
-        self.high.append(keys, values, self.high.length + keys.shape[2] + GROW_STEP)
+        # Exact room: demote() slices the high tier back to its newest rows, so spare capacity
+        # there would be allocated and dropped on every call.
+        self.high.append(keys, values, self.high.length + keys.shape[2])
         self.demote(self.window, capacity)
 
     def demote(self, keep_high: int, capacity: int) -> None:
@@ -160,8 +170,8 @@ class TieredKV:
         h.length -= n
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
-        """Keep layout rows idx (B, H, keep), sorted, whose last `protected_tail` entries are the
-        newest rows (the protected recent window): those stay in the high tier, the rest is gathered
+        """Keep layout rows idx[..., :keep] (sorted; any columns past `keep` are padding), whose last
+        `protected_tail` kept entries are the newest rows (the protected recent window): those stay in the high tier, the rest is gathered
         in the low tier."""
         self.demote(protected_tail, capacity)
         low_keep = keep - self.high.length
