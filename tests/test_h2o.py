@@ -588,7 +588,7 @@ def test_low_bit_caches_save_load_and_trim(tmp_path):
         (dict(kv_bits="4/2"), r"kv_bits must be None, 8, 4, 'mixed'"),
         (dict(kv_group_size=48), r"kv_group_size must be one of \(32, 64, 128\)"),
         (dict(rotate="yes"), "rotate must be True or False"),
-        (dict(rotate=True, rotate_lam="calibrated"), r"rotate_lam must be one of \['prefill', 'none'\]"),
+        (dict(rotate=True, rotate_lam="calibrated"), r"rotate_lam must be one of \['none', 'prefill'\]"),
     ],
 )
 def test_bad_low_bit_options_raise_value_error(options, match):

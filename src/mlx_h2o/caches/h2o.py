@@ -37,8 +37,8 @@ from .. import hook
 from ..attention import attention_with_scores
 from . import per_layer_caches, register_cache_class, register_policy
 from .baseline import check_max_kv_size
-from .kv_store import GROW_STEP, KVStore, TieredKV, pad_indices
-from .rotation import KVRotation
+from .kv_store import GROW_STEP, KVStore, TieredKV, gather_rows, pad_indices
+from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, KVRotation
 from .scoring import SCORE_RULES, make_rule, max_pool
 
 SPLITS = ("heavy", "balanced", "recent", "explicit")
@@ -122,7 +122,7 @@ class H2OConfig:
     kv_bits: Optional[str] = None  # None (model dtype), "8", "4", or "HEAVY/RECENT" (e.g. "4/8", "4/fp")
     kv_group_size: int = DEFAULT_KV_GROUP_SIZE
     rotate: bool = False
-    rotate_lam: str = "prefill"
+    rotate_lam: str = DEFAULT_LAMBDA
 
     @classmethod
     def build(
@@ -142,7 +142,7 @@ class H2OConfig:
         kv_bits=None,
         kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
         rotate: bool = False,
-        rotate_lam: str = "prefill",
+        rotate_lam: str = DEFAULT_LAMBDA,
     ) -> "H2OConfig":
         M = check_max_kv_size(max_kv_size)
         if split not in SPLITS:
@@ -173,8 +173,8 @@ class H2OConfig:
         if not isinstance(rotate, bool):
             raise ValueError(f"rotate must be True or False, got {rotate!r}")
         rotate_lam = "none" if rotate_lam is None else rotate_lam
-        if rotate_lam not in ("prefill", "none"):
-            raise ValueError(f"rotate_lam must be one of ['prefill', 'none'], got {rotate_lam!r}")
+        if rotate_lam not in LAMBDA_MODES:
+            raise ValueError(f"rotate_lam must be one of {list(LAMBDA_MODES)}, got {rotate_lam!r}")
         return cls(M, sink, heavy, recent, score, decay, select, evict_every, obs_window, obs_pool, _check_spans(pin), split,
                    kv_bits, kv_group_size, rotate, rotate_lam)
 
@@ -225,6 +225,33 @@ def select_entries(priority: mx.array, protected: mx.array, count: int, shared: 
     key = mx.where(protected, mx.inf, priority)
     idx = mx.argpartition(-key, kth=count - 1, axis=-1)[..., :count]
     return mx.sort(idx, axis=-1)
+
+
+_EVICTION_PLANS = {}
+
+
+def eviction_plan(config: H2OConfig, scoreless: bool):
+    """plan(acc, positions, offset, recent_from, keep, capacity) -> (B, H, capacity) indices of the
+    entries to keep (ascending), padded for a gather into buffers of `capacity` rows: the rule's
+    priorities (or recency, for a cache that saw no scores) with sink, recent (positions >=
+    recent_from) and pinned entries forced in. Compiled once per configuration and shape and shared
+    by every layer: ~15 small ops per layer and step become one fused call (150 -> 46 µs at M = 512)."""
+    key = (config, scoreless)
+    if key not in _EVICTION_PLANS:
+        rule = make_rule(config.score, config.decay)
+
+        def plan(acc, positions, offset, recent_from, keep, capacity):
+            # With no attention seen, keep the most recent.
+            priority = positions.astype(mx.float32) if scoreless else rule.priority(acc, positions, offset)
+            protected = (positions < config.sink) | (positions >= recent_from)
+            pinned = config.pinned_mask(positions)
+            if pinned is not None:
+                protected = protected | pinned
+            idx = select_entries(priority, protected, keep, config.select == "layer")
+            return pad_indices(mx.broadcast_to(idx, (*acc.shape[:2], keep)), capacity)
+
+        _EVICTION_PLANS[key] = mx.compile(plan)
+    return _EVICTION_PLANS[key]
 
 
 class H2OKVCache(lm_cache._BaseCache):
@@ -351,25 +378,14 @@ class H2OKVCache(lm_cache._BaseCache):
         cfg = self.config
         return max(keep - cfg.pinned_before(self.offset) - cfg.sink - cfg.heavy, 0)
 
-    def _protected(self, positions: mx.array, keep: int) -> mx.array:
-        cfg = self.config
-        protected = (positions < cfg.sink) | (positions >= self.offset - self._recent_kept(keep))
-        pinned = cfg.pinned_mask(positions)
-        return protected if pinned is None else protected | pinned
-
     def _evict(self, keep: int, capacity: int):
         n = self.length
-        pos = self.positions[..., :n]
-        if self.scoreless:
-            priority = pos.astype(mx.float32)  # no attention seen: keep the most recent
-        else:
-            priority = self.rule.priority(self.acc[..., :n], pos, self.offset)
-        idx = select_entries(priority, self._protected(pos, keep), keep, self.config.select == "layer")
-        idx = mx.broadcast_to(idx, (*self.acc.shape[:2], keep))
-        idx = pad_indices(idx, capacity)  # gather straight into buffers with room for the next appends
-        self.store.gather(idx, keep, self._recent_kept(keep), capacity)
-        self.acc = mx.take_along_axis(self.acc[..., :n], idx, axis=2)
-        self.positions = mx.take_along_axis(self.positions[..., :n], idx, axis=2)
+        plan = eviction_plan(self.config, self.scoreless)
+        recent = self._recent_kept(keep)
+        offset, recent_from = mx.array(self.offset, mx.int32), mx.array(self.offset - recent, mx.int32)
+        idx = plan(self.acc[..., :n], self.positions[..., :n], offset, recent_from, keep, capacity)
+        self.store.gather(idx, keep, recent, capacity)
+        self.acc, self.positions = gather_rows(self.acc, idx), gather_rows(self.positions, idx)
         self.length = keep
         self.evictions += 1
 

@@ -20,15 +20,14 @@ from . import per_layer_caches, register_cache_class, register_policy
 from .baseline import reject_options
 from .packed import PackedRows
 from .quantized import check_bits_and_group
-from .rotation import KVRotation
+from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, KVRotation
 
 ROTATED_BITS = (2, 3, 4, 8)
-LAMBDA_MODES = ("prefill", "none")
 
 
 @register_cache_class
 class RotatedQuantizedKVCache(lm_cache._BaseCache):
-    def __init__(self, bits: int = 4, group_size: int = 32, residual: int = 16, seed: int = 0, lam="prefill"):
+    def __init__(self, bits: int = 4, group_size: int = 32, residual: int = 16, seed: int = 0, lam=DEFAULT_LAMBDA):
         check_bits_and_group(bits, group_size, ROTATED_BITS)
         lam = "none" if lam is None else lam  # eval specs spell it lam=none, which parses to None
         if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
@@ -123,13 +122,13 @@ class RotatedQuantizedKVCache(lm_cache._BaseCache):
         self.packed_k, self.packed_v = PackedRows.from_state(s["packed_k"]), PackedRows.from_state(s["packed_v"])
         self.window_k, self.window_v = s["window_k"], s["window_v"]
         self.rotation = None if s["rotation"] is None else KVRotation.from_state(s["rotation"])
-        self.lam = "prefill"
+        self.lam = DEFAULT_LAMBDA  # unused once the rotation (with its λ) is restored
 
 
 @register_policy("rotated")
-def rotated_cache(model, bits: int = 4, group_size: int = 32, residual: int = 16, seed: int = 0, lam="prefill", **options):
-    """Per layer: rotation seeded by seed + layer index; lam "prefill" (λ from the first update),
-    "none", or a per-layer list of calibrated (lam_k, lam_v) pairs (see calibrate_lambdas)."""
+def rotated_cache(model, bits: int = 4, group_size: int = 32, residual: int = 16, seed: int = 0, lam=DEFAULT_LAMBDA, **options):
+    """Per layer: rotation seeded by seed + layer index; lam "none" (default), "prefill" (λ from the
+    first update), or a per-layer list of calibrated (lam_k, lam_v) pairs (see calibrate_lambdas)."""
     reject_options("rotated", options)
     calibrated = lam if isinstance(lam, list) else None
     RotatedQuantizedKVCache(bits, group_size, residual, seed, "prefill" if calibrated else lam)  # validates options
