@@ -409,6 +409,7 @@ def test_mlx_lm_batch_generator_gets_a_clear_error():
         (dict(pin=[(5, 2)]), "pin must be"),
         (dict(pin="a:b"), "pin must be START:END"),
         (dict(obs_window=-1), "obs_window must be"),
+        (dict(pool=0), r"pool must be an integer >= 1"),
         (dict(budget=3), r"unknown h2o options \['budget'\]; allowed: \["),
         (dict(max_kv_size=0), "max_kv_size must be an integer >= 1"),
     ],
@@ -418,6 +419,33 @@ def test_bad_options_raise_value_error(options, match):
     options = {"max_kv_size": 64, **options}
     with pytest.raises(ValueError, match=match):
         mlx_h2o.make_cache(model, "h2o", **options)
+
+
+@pytest.mark.parametrize("pool", [1, 3, 5])
+def test_pooled_priority_keeps_the_neighbours_of_a_heavy_hitter(pool):
+    from mlx_h2o.caches.h2o import eviction_plan
+
+    config = H2OConfig.build(16, split="explicit", sink=2, heavy=pool * 2, recent=14 - pool * 2, score="cumulative", pool=pool)
+    P = 40
+    acc = mx.random.uniform(0, 1, (1, 2, P), key=mx.random.key(pool))
+    acc[:, 0, 17] = 100.0  # head 0: one heavy hitter; head 1: random scores only
+    positions = mx.broadcast_to(mx.arange(P, dtype=mx.int32), (1, 2, P))
+    keep = 15
+    recent = keep - config.sink - config.heavy
+    idx = eviction_plan(config, False)(acc, positions, mx.array(P, mx.int32), mx.array(P - recent, mx.int32), keep, 16)
+    kept = [set(np.array(idx[0, h, :keep]).tolist()) for h in range(2)]
+    half = pool // 2
+    assert set(range(17 - half, 18 + half)) <= kept[0]
+    # Reference for every head: unprotected entries ranked by the pooled score (NumPy).
+    a = np.array(acc)
+    for h in range(2):
+        pooled = np.array([a[0, h, max(i - half, 0): i + half + 1].max() for i in range(P)])
+        protected = {0, 1, *range(P - recent, P)}
+        assert protected <= kept[h]
+        free = sorted((pooled[i] for i in range(P) if i not in protected), reverse=True)[: keep - len(protected)]
+        # Ties (neighbours share a pooled maximum) may be broken either way: compare the scores kept.
+        np.testing.assert_array_equal(sorted((pooled[i] for i in kept[h] - protected), reverse=True), free)
+    assert np.all(np.diff(np.array(idx[0, :, :keep]), axis=-1) > 0)
 
 
 def test_eval_spec_and_presets():

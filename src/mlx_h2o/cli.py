@@ -34,7 +34,7 @@ def _positive_int(text):
 
 # --h2o-* flags -> h2o policy options (see caches/h2o.py); None means "policy default".
 _H2O_FLAGS = ("split", "score", "select", "sink", "heavy", "recent", "decay", "evict_every", "obs_window", "pin", "kv_bits",
-              "rotate")
+              "rotate", "pool")
 
 
 def _add_h2o_args(p):
@@ -56,6 +56,8 @@ def _add_h2o_args(p):
                    help="store K/V packed: 8, 4, or HEAVY/RECENT bits (mixed = 4/8; fp = model dtype); default: model dtype")
     h.add_argument("--h2o-rotate", action="store_const", const=True,
                    help="rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality")
+    h.add_argument("--h2o-pool", type=_positive_int,
+                   help="rank each entry by the best priority within a centred window of N entries (1 = off, default)")
 
 
 def _h2o_options(args) -> dict:

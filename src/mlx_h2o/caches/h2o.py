@@ -123,6 +123,7 @@ class H2OConfig:
     kv_group_size: int = DEFAULT_KV_GROUP_SIZE
     rotate: bool = False
     rotate_lam: str = DEFAULT_LAMBDA
+    pool: int = 1
 
     @classmethod
     def build(
@@ -143,6 +144,7 @@ class H2OConfig:
         kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
         rotate: bool = False,
         rotate_lam: str = DEFAULT_LAMBDA,
+        pool: int = 1,
     ) -> "H2OConfig":
         M = check_max_kv_size(max_kv_size)
         if split not in SPLITS:
@@ -175,8 +177,9 @@ class H2OConfig:
         rotate_lam = "none" if rotate_lam is None else rotate_lam
         if rotate_lam not in LAMBDA_MODES:
             raise ValueError(f"rotate_lam must be one of {list(LAMBDA_MODES)}, got {rotate_lam!r}")
+        pool = _check_int("pool", pool, 1)
         return cls(M, sink, heavy, recent, score, decay, select, evict_every, obs_window, obs_pool, _check_spans(pin), split,
-                   kv_bits, kv_group_size, rotate, rotate_lam)
+                   kv_bits, kv_group_size, rotate, rotate_lam, pool)
 
     def tiers(self) -> Tuple[Optional[int], Optional[int]]:
         """(bits of the older rows, bits of the recent window); None = the model's dtype."""
@@ -243,6 +246,11 @@ def eviction_plan(config: H2OConfig, scoreless: bool):
         def plan(acc, positions, offset, recent_from, keep, capacity):
             # With no attention seen, keep the most recent.
             priority = positions.astype(mx.float32) if scoreless else rule.priority(acc, positions, offset)
+            if config.pool > 1 and not scoreless:
+                # An entry next to a heavy hitter ranks with it (the layout is in position order),
+                # so spans survive whole: a copying (induction) head next reads the token after
+                # the one it attends to now.
+                priority = max_pool(priority, config.pool)
             protected = (positions < config.sink) | (positions >= recent_from)
             pinned = config.pinned_mask(positions)
             if pinned is not None:
