@@ -80,10 +80,10 @@ class RowStore:
         for a, r in zip(self.arrays, rows):
             a[:, :, start : start + n] = r
 
-    def gather(self, idx: mx.array, length: int) -> None:
-        """Keep rows idx (B, H, k) of the first `length`, in that order (k may exceed the rows kept:
-        padding indices make spare capacity)."""
-        self.arrays = tuple(gather_rows(a, idx) for a in self.arrays)  # idx < length <= capacity
+    def gather(self, idx: mx.array) -> None:
+        """Keep rows idx (B, H, k), in that order (k may exceed the rows kept: padding indices make
+        spare capacity)."""
+        self.arrays = tuple(gather_rows(a, idx) for a in self.arrays)
 
     def view(self, n: int):
         if self.bits is None:
@@ -124,8 +124,8 @@ class KVStore:
         """Keep layout rows idx (B, H, >= keep; the first `keep` are kept), leaving room for
         `capacity` rows (padding indices fill the spare slots; nothing reads past `length`)."""
         idx = pad_indices(idx, capacity)
-        self.k.gather(idx, self.length)
-        self.v.gather(idx, self.length)
+        self.k.gather(idx)
+        self.v.gather(idx)
         self.length = keep
 
     def trim(self, n: int) -> None:
@@ -180,9 +180,9 @@ class TieredKV:
         h.length -= n
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
-        """Keep layout rows idx[..., :keep] (sorted; any columns past `keep` are padding), whose last
-        `protected_tail` kept entries are the newest rows (the protected recent window): those stay in the high tier, the rest is gathered
-        in the low tier."""
+        """Keep layout rows idx[..., :keep] (sorted; any columns past `keep` are padding), whose
+        last `protected_tail` kept entries are the newest rows (the protected recent window): those
+        stay in the high tier, the rest is gathered in the low tier."""
         self.demote(protected_tail, capacity)
         low_keep = keep - self.high.length
         self.low.gather(idx[..., :low_keep], low_keep, capacity=capacity)
