@@ -633,3 +633,18 @@ def test_low_bit_rows_need_head_dim_divisible_by_group():
     cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=16, kv_bits=4, kv_group_size=32)
     with pytest.raises(ValueError, match="kv_group_size"):
         model(_tokens(8, batch=1), cache=cache)
+
+
+def test_16k_decode_soak_holds_a_bounded_number_of_entries():
+    """16,384 tokens decoded one at a time through h2o(M=256): the entries held never pass the
+    budget (benchmarks/bench_h2o.py --soak records the process RSS of the same run)."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    M, steps = 256, 16384
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M)
+    y = _tokens(32, seed=13, batch=1)
+    for i in range(steps // 64):
+        for _ in range(64):
+            y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        mx.eval(y, [c.acc for c in cache])
+        assert all(c.size() <= M for c in cache), i
+    assert all(c.offset == 32 + steps - 1 and c.peak <= M and c.evictions > steps - M for c in cache)
