@@ -4,7 +4,7 @@ mlx-lm's `KVCache` grows in 256-token steps by allocating a bigger buffer and co
 into it: every step boundary is a stall proportional to the cache size. Pre-allocating the
 maximum avoids the copies but commits memory the conversation may never use. A reserved cache
 takes the address space for `max_context` tokens up front, lets the OS commit pages as tokens are
-written into them, and writes every token in place (see mlx_h2o.buffers). Attention gets views of
+written into them, and writes every token in place (see mlx_h2o.storage.reserved). Attention gets views of
 the live prefix; `nbytes` counts the live tokens only. Going past `max_context` is a ValueError
 raised before anything is written (the cache does not grow); `trim` and `reset` give the pages
 past the kept tokens back to the OS (Linux).

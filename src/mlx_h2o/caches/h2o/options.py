@@ -1,5 +1,5 @@
 """The options of the h2o policy: one table (name, kind, default, help) that `make_cache` validates
-against, the CLI turns into `--h2o-*` flags and the README's table is generated from; and
+against, the CLI turns into `--h2o-*` flags and the docs' option tables are generated from; and
 `H2OConfig`, the validated configuration a cache runs with."""
 
 from dataclasses import asdict, dataclass, fields
