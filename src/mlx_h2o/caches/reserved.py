@@ -62,12 +62,16 @@ class ReservedKVCache(SavedCache):
     # The rest of KVCache's protocol reads only `offset`, `keys` and `values`, which mean the same
     # here (live views), so it is reused as is: nbytes counts live tokens, not the reservation.
     size = lm_cache.KVCache.size
-    empty = lm_cache.KVCache.empty
     make_mask = lm_cache.KVCache.make_mask
     to_quantized = lm_cache.KVCache.to_quantized
     nbytes = lm_cache.KVCache.nbytes
     # Batched generation merges per-sequence caches into mlx-lm's BatchKVCache (a copy).
     merge = lm_cache.KVCache.merge
+
+    def empty(self):
+        # No tokens (KVCache asks whether keys exist; here they are a view of the reservation,
+        # which outlives reset()).
+        return self.offset == 0
 
     @property
     def reserved_nbytes(self) -> int:
