@@ -3,9 +3,10 @@
 // output and the attention each key received, from one pass over K and V.
 //
 // Written to MLX's extension conventions (op functions, a Primitive with eval_cpu, bindings apart) so
-// it could move into mlx::core::fast. The public ops built on it:
-//   scaled_dot_product_attention_with_scores            (scaled_dot_product_attention_with_scores.h)
-//   quantized_scaled_dot_product_attention_with_scores  (quantized_scaled_dot_product_attention_with_scores.h)
+// it could move into mlx::core::fast. The public single-segment ops
+// (mlx_h2o.scaled_dot_product_attention_with_scores for dense K/V,
+// mlx_h2o.quantized_scaled_dot_product_attention_with_scores for packed K/V) are this op with one
+// segment (src/mlx_h2o/attention.py).
 #pragma once
 
 #include <optional>
