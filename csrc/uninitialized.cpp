@@ -63,6 +63,14 @@ void avoid_huge_pages(char* begin, char* end) {
 #endif
 }
 
+// The start of what allocator::malloc returned. MLX 0.32.1 returns the Buffer itself; later
+// releases wrap it in an owning allocator::Data (`.buffer()`). Overloads pick whichever exists.
+inline void* raw_ptr(mx::allocator::Buffer buffer) { return buffer.raw_ptr(); }
+template <class Data>
+auto raw_ptr(const Data& data) -> decltype(data.buffer().raw_ptr()) {
+  return data.buffer().raw_ptr();
+}
+
 }  // namespace
 
 size_t page_size() {
@@ -97,7 +105,7 @@ void Uninitialized::eval_cpu(const std::vector<mx::array>&, mx::array& out) {
   // One spare page so the data can start on a page boundary: then the pages a writer commits
   // are exactly the pages its bytes span, and released ranges line up with element ranges.
   auto data = mx::allocator::malloc(nbytes + page);
-  char* raw = static_cast<char*>(data.buffer().raw_ptr());
+  char* raw = static_cast<char*>(raw_ptr(data));
   if (raw == nullptr) {
     std::ostringstream msg;
     msg << "[uninitialized] could not allocate " << nbytes + page << " bytes.";
