@@ -7,6 +7,9 @@
 #   SRC_DIR  a clone of ml-explore/mlx whose HEAD is the pinned tag plus the series' commits.
 #            To start from the current series:
 #              git -C SRC_DIR checkout -b h2o-series v0.32.1 && git -C SRC_DIR am "$PWD"/patches/mlx/*.patch
+#   MLX_SERIES_OUT  write the patches there instead of patches/mlx (used to compare a regenerated series)
+# The patch that adds the CPU kernel carries csrc/'s files: after editing the glue here, run
+# scripts/gen_mlx_patches.py SRC_DIR, which refreshes them from csrc/ and calls this script.
 set -euo pipefail
 # shellcheck source=mlx_fork_env.sh
 source "$(dirname "$0")/mlx_fork_env.sh"
@@ -27,8 +30,10 @@ count="$(git_src rev-list --count "$MLX_COMMIT"..HEAD)"
 # Only our diffs leave the clone: the commits' changes with their context lines, nothing else.
 # --zero-commit / --no-signature / no numbering in subjects: regenerating an unchanged series gives
 # byte-identical files, so the diff of patches/mlx shows only real changes.
-rm -f "$series_dir"/*.patch
+out="${MLX_SERIES_OUT:-$series_dir}"
+mkdir -p "$out"
+rm -f "$out"/*.patch
 git_src format-patch --quiet --zero-commit --no-signature --no-numbered \
-  -o "$series_dir" "$MLX_COMMIT"..HEAD
-echo "regen_mlx_patches.sh: wrote $count patches on top of $MLX_TAG to ${series_dir#"$root"/}:"
-for p in "$series_dir"/*.patch; do echo "  $(basename "$p")"; done
+  -o "$out" "$MLX_COMMIT"..HEAD
+echo "regen_mlx_patches.sh: wrote $count patches on top of $MLX_TAG to ${out#"$root"/}:"
+for p in "$out"/*.patch; do echo "  $(basename "$p")"; done
