@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from . import _ext
+from . import _ops
 
 SCORE_MODES = ("mass", "logits", None)
 
@@ -35,9 +35,9 @@ def _native_args(mask, scores, sinks):
 
 
 def _attend(q, native_segments, scale, mask, scores, sinks, composed, stream):
-    """The one call into the extension's segment op; every public function here ends in it."""
+    """The one call into the segment op (the extension's or MLX's: _ops); every public function ends in it."""
     mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
-    res = _ext.attention_with_scores(q, native_segments, _check_scale(scale), mode, array, score_mode, sinks, composed, stream)
+    res = _ops.attention_with_scores(q, native_segments, _check_scale(scale), mode, array, score_mode, sinks, composed, stream)
     return res[0], (res[1] if len(res) > 1 else None)
 
 

@@ -1,0 +1,120 @@
+"""Which implementation runs mlx-h2o's attention ops: the C++ extension (`_ext`) or the same ops inside
+MLX (`mx.fast.scaled_dot_product_attention_with_scores` and `mx.fast.quantized_...`), as an MLX built
+from patches/mlx by scripts/build_mlx.sh provides them (docs/mlx-fork.md).
+
+The switch: the environment variable MLX_H2O_OPS, read at the first op call,
+  ext   the extension (default);
+  mlx   MLX's ops (an error if this MLX lacks them);
+  auto  MLX's ops when this MLX has them, else the extension;
+and `set_implementation()` at run time (tests and benchmarks compare both in one process).
+
+mx.fast's ops take one K/V pair, where the extension's op takes segments (storage tiers kept apart).
+With "mlx", a call over several segments concatenates them first: packed segments of one format stay
+packed, a mix of formats is dequantized (exactly, with float32 scales) to one dense K or V. The
+composed reference (`composed=True`) always comes from the extension.
+"""
+
+import os
+
+import mlx.core as mx
+
+from . import _ext
+
+IMPLEMENTATIONS = ("ext", "mlx", "auto")
+FAST_OPS = ("scaled_dot_product_attention_with_scores", "quantized_scaled_dot_product_attention_with_scores")
+
+_current = None
+
+
+def mlx_has_ops() -> bool:
+    """Whether this MLX has the attention ops in mx.fast (an MLX built with patches/mlx)."""
+    return all(hasattr(mx.fast, name) for name in FAST_OPS)
+
+
+def _resolve(choice) -> str:
+    if choice not in IMPLEMENTATIONS:
+        raise ValueError(f"MLX_H2O_OPS must be one of {IMPLEMENTATIONS}, got {choice!r}")
+    if choice == "auto":
+        return "mlx" if mlx_has_ops() else "ext"
+    if choice == "mlx" and not mlx_has_ops():
+        raise ValueError(
+            f"MLX_H2O_OPS='mlx' needs an MLX built with mlx-h2o's patches (scripts/build_mlx.sh, "
+            f"docs/mlx-fork.md); mx.fast of MLX {mx.__version__} has no {FAST_OPS[0]}"
+        )
+    return choice
+
+
+def implementation() -> str:
+    """The implementation in use: "ext" or "mlx"."""
+    global _current
+    if _current is None:
+        _current = _resolve(os.environ.get("MLX_H2O_OPS", "ext"))
+    return _current
+
+
+def set_implementation(choice: str) -> str:
+    """Switch to "ext", "mlx" or "auto"; returns the implementation that was in use."""
+    global _current
+    previous = implementation()
+    _current = _resolve(choice)
+    return previous
+
+
+def _dense(packed, bits, group_size):
+    w, scales, biases = packed
+    # float32 scales: MLX's dequantize computes in the scales' dtype, which would round through f16.
+    return mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits)
+
+
+def _merge(sources):
+    """One K (or V) from the segments' (arrays, bits, group_size) sources: (arrays, bits, group_size)."""
+    formats = {(bits, group_size, arrays[1].dtype if bits else None) for arrays, bits, group_size in sources}
+    if len(sources) == 1:
+        return sources[0]
+    if len(formats) == 1 and sources[0][1]:
+        _, bits, group_size = sources[0]
+        return [mx.concatenate([a[i] for a, _, _ in sources], axis=2) for i in range(3)], bits, group_size
+    dense = [a[0] if not bits else _dense(a, bits, group_size) for a, bits, group_size in sources]
+    return [mx.concatenate(dense, axis=2)], 0, 0
+
+
+# The segment op's limit (csrc/kernels/attention_problem.h), kept so both implementations accept the
+# same calls.
+MAX_SEGMENTS = 4
+
+
+def _fast(q, segments, scale, mask_mode, mask, scores, sinks, stream):
+    if not 1 <= len(segments) <= MAX_SEGMENTS:
+        raise ValueError(f"at least one and at most {MAX_SEGMENTS} K/V segments, got {len(segments)}")
+    live = [seg for seg in segments if _length(seg[0]) > 0] or segments[:1]
+    k = _merge([(arrays, bits, group_size) for arrays, bits, group_size, *_ in live])
+    v = _merge([(arrays, bits, group_size) for *_, arrays, bits, group_size in live])
+    if bool(k[1]) != bool(v[1]) or (k[1] and k[1:] != v[1:]):  # the quantized op takes one format
+        k = ([_dense(*k)], 0, 0) if k[1] else k
+        v = ([_dense(*v)], 0, 0) if v[1] else v
+    kwargs = dict(
+        scale=scale,
+        mask=mask if mask_mode == "array" else (mask_mode or None),
+        scores=scores or None,
+        sinks=sinks,
+        stream=stream,
+    )
+    if k[1]:
+        out, result = mx.fast.quantized_scaled_dot_product_attention_with_scores(
+            q, *k[0], *v[0], group_size=k[2], bits=k[1], **kwargs
+        )
+    else:
+        out, result = mx.fast.scaled_dot_product_attention_with_scores(q, k[0][0], v[0][0], **kwargs)
+    return [out] if result is None else [out, result]
+
+
+def _length(arrays) -> int:
+    return arrays[0].shape[2] if arrays and arrays[0].ndim == 4 else 1
+
+
+def attention_with_scores(q, segments, scale, mask_mode, mask, scores, sinks, composed, stream):
+    """The extension's segment op (`_ext.attention_with_scores`, same arguments and result), run by the
+    implementation in use."""
+    if composed or implementation() == "ext":
+        return _ext.attention_with_scores(q, segments, scale, mask_mode, mask, scores, sinks, composed, stream)
+    return _fast(q, segments, scale, mask_mode, mask, scores, sinks, stream)
