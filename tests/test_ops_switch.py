@@ -67,17 +67,21 @@ def _cases():
     mask = mx.array(rng.random((3, 110)) < 0.8)
     sinks = normal(6)
     yield "dense", q, [(k1, v1)], {"mask": "causal"}, k1, v1
+    yield "packed keys, dense values", q.astype(mx.float16), [(k1q, v1)], {}, k1d, v1
     yield "packed", q, [(k1q, v1q)], {"sinks": sinks}, k1d, v1d
     yield "dense+dense", q, [(k1, v1), (k2, v2)], {"mask": mask}, mx.concatenate([k1, k2], 2), mx.concatenate([v1, v2], 2)
     yield "packed+packed", q, [(k1q, v1q), (k1q, v1q)], {}, mx.concatenate([k1d, k1d], 2), mx.concatenate([v1d, v1d], 2)
     yield (
         "8-bit+4-bit keys, dense window",
-        q,
+        q.astype(mx.bfloat16),
         [(k2q, v2q), (k1q, v1), (k1[:, :, :0], v1[:, :, :0])],
         {"mask": "causal", "sinks": sinks},
         mx.concatenate([k2d, k1d], 2),
         mx.concatenate([v2d, v1.astype(mx.float32)], 2),
     )
+
+
+TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
 
 
 @needs_fork
@@ -91,16 +95,21 @@ def test_both_implementations_agree_with_the_definition(scores):
             for impl in ("ext", "mlx"):
                 _ops.set_implementation(impl)
                 results[impl] = attention_with_scores(q, segments, scale=0.125, scores=scores, **kwargs)
+            if len(segments) == 1:  # nothing to merge: MLX runs the very kernel the extension does
+                for a, b in zip(results["ext"], results["mlx"]):
+                    assert (a is None and b is None) or mx.array_equal(a, b).item(), name
+            tol = TOLERANCE[q.dtype]
             for impl, (out, sc) in results.items():
                 assert out.dtype == q.dtype, (name, impl)
-                np.testing.assert_allclose(np.array(out), np.array(ref[0]), atol=2e-5, rtol=1e-4, err_msg=f"{name} {impl}")
+                got, want = np.array(out.astype(mx.float32)), np.array(ref[0].astype(mx.float32))
+                np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{name} {impl}")
                 if scores is None:
                     assert sc is None
                 else:
                     a, b = np.array(sc), np.array(ref[1])
                     assert np.array_equal(np.isneginf(a), np.isneginf(b)), (name, impl)
                     finite = ~np.isneginf(b)
-                    np.testing.assert_allclose(a[finite], b[finite], atol=2e-5, rtol=1e-4, err_msg=f"{name} {impl}")
+                    np.testing.assert_allclose(a[finite], b[finite], atol=1e-4, rtol=1e-4, err_msg=f"{name} {impl}")
     finally:
         _ops.set_implementation(previous)
 

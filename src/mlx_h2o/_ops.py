@@ -105,6 +105,9 @@ def _fast(q, segments, scale, mask_mode, mask, scores, sinks, stream):
         )
     else:
         out, result = mx.fast.scaled_dot_product_attention_with_scores(q, k[0][0], v[0][0], **kwargs)
+    # mx.fast's dense op returns the promoted type of q, k and v (as MLX's attention does); this op
+    # returns q's, and a merged K/V may be float32 where q is not.
+    out = out.astype(q.dtype, stream=stream) if out.dtype != q.dtype else out
     return [out] if result is None else [out, result]
 
 
