@@ -48,7 +48,8 @@ def test_mlx_without_the_ops_says_how_to_get_them(fresh_switch):
 
 
 def _cases():
-    """(name, q, segments, kwargs, dense k, dense v) with segments as attention_with_scores takes them."""
+    """(name, q, segments, kwargs, dense k, dense v, direct) with segments as attention_with_scores takes
+    them; direct: one segment whose K and V mx.fast takes as they are (no merge, no dequantization)."""
     rng = np.random.default_rng(0)
 
     def normal(*shape, dtype=mx.float32):
@@ -65,19 +66,24 @@ def _cases():
     (k1q, k1d), (v1q, v1d) = packed(k1, 4, 64), packed(v1, 4, 64)
     (k2q, k2d), (v2q, v2d) = packed(k2, 8, 32), packed(v2, 4, 64)
     mask = mx.array(rng.random((3, 110)) < 0.8)
+
+    def cat(*parts):  # keys or values along the sequence
+        return mx.concatenate(parts, axis=2)
+
     sinks = normal(6)
-    yield "dense", q, [(k1, v1)], {"mask": "causal"}, k1, v1
-    yield "packed keys, dense values", q.astype(mx.float16), [(k1q, v1)], {}, k1d, v1
-    yield "packed", q, [(k1q, v1q)], {"sinks": sinks}, k1d, v1d
-    yield "dense+dense", q, [(k1, v1), (k2, v2)], {"mask": mask}, mx.concatenate([k1, k2], 2), mx.concatenate([v1, v2], 2)
-    yield "packed+packed", q, [(k1q, v1q), (k1q, v1q)], {}, mx.concatenate([k1d, k1d], 2), mx.concatenate([v1d, v1d], 2)
+    yield "dense", q, [(k1, v1)], {"mask": "causal"}, k1, v1, True
+    yield "packed", q, [(k1q, v1q)], {"sinks": sinks}, k1d, v1d, True
+    yield "packed keys, dense values", q.astype(mx.float16), [(k1q, v1)], {}, k1d, v1, False
+    yield "dense+dense", q, [(k1, v1), (k2, v2)], {"mask": mask}, cat(k1, k2), cat(v1, v2), False
+    yield "packed+packed", q, [(k1q, v1q), (k1q, v1q)], {}, cat(k1d, k1d), cat(v1d, v1d), False
     yield (
         "8-bit+4-bit keys, dense window",
         q.astype(mx.bfloat16),
         [(k2q, v2q), (k1q, v1), (k1[:, :, :0], v1[:, :, :0])],
         {"mask": "causal", "sinks": sinks},
-        mx.concatenate([k2d, k1d], 2),
-        mx.concatenate([v2d, v1.astype(mx.float32)], 2),
+        cat(k2d, k1d),
+        cat(v2d, v1.astype(mx.float32)),
+        False,
     )
 
 
@@ -89,13 +95,13 @@ TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
 def test_both_implementations_agree_with_the_definition(scores):
     previous = _ops.implementation()
     try:
-        for name, q, segments, kwargs, k, v in _cases():
+        for name, q, segments, kwargs, k, v, direct in _cases():
             ref = attention_with_scores(q, [(k, v)], scale=0.125, scores=scores, composed=True, **kwargs)
             results = {}
             for impl in ("ext", "mlx"):
                 _ops.set_implementation(impl)
                 results[impl] = attention_with_scores(q, segments, scale=0.125, scores=scores, **kwargs)
-            if len(segments) == 1:  # nothing to merge: MLX runs the very kernel the extension does
+            if direct:  # MLX runs the very kernel the extension does, on the same arrays
                 for a, b in zip(results["ext"], results["mlx"]):
                     assert (a is None and b is None) or mx.array_equal(a, b).item(), name
             tol = TOLERANCE[q.dtype]
