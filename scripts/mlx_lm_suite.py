@@ -2,15 +2,16 @@
 
     python mlx_lm_suite.py run TESTS_DIR OUT.json [PATTERN ...]   # in the venv under test
     python mlx_lm_suite.py compare STOCK.json PATCHED.json        # the side-by-side table
+    python mlx_lm_suite.py check RUN.json                         # exit 1 on a failure with no reason
 
 `run` discovers TESTS_DIR the way mlx-lm's CI does (`python -m unittest discover tests`), from a
 directory with no mlx_lm/ source tree beside it (so the installed wheel is what runs), optionally
-only the files matching the glob PATTERNs. Each test gets one outcome: pass, fail, error, skip,
+only the files matching the glob PATTERNs (a PATTERN starting with ! excludes). Each test gets one outcome: pass, fail, error, skip,
 expected-failure, unexpected-success, or not-run (its class or module set-up failed; the set-up's
 error is kept as the reason). `compare` prints, per test file, pass/fail/error/skip on stock and on
 patched, the tests that pass on stock but not patched (regressions: exit status 1), the series' new
-tests, and the tests that cannot run offline with the reason (a model or data set from a hub, or a
-package the suite needs that the venvs do not install).
+tests, and the tests that cannot run here with the reason (a model or data set from a hub, which
+this offline machine cannot reach; a package the venvs do not install; MLX's Metal back-end).
 """
 
 import fnmatch
@@ -123,7 +124,10 @@ def cmd_run(tests_dir, out, patterns):
     for name in sorted(os.listdir(tests_dir)):
         if not (name.startswith("test") and name.endswith(".py")):
             continue
-        if patterns and not any(fnmatch.fnmatch(name, p) for p in patterns):
+        includes = [p for p in patterns if not p.startswith("!")]
+        if includes and not any(fnmatch.fnmatch(name, p) for p in includes):
+            continue
+        if any(fnmatch.fnmatch(name, p[1:]) for p in patterns if p.startswith("!")):
             continue
         suite.addTests(loader.loadTestsFromName(name[:-3]))
     every = [_test_id(t) for t in _iter_tests(suite) if hasattr(t, "_testMethodName")]
@@ -150,9 +154,11 @@ def cmd_run(tests_dir, out, patterns):
     print(f"mlx-lm {mlx_lm.__version__}: {Counter(o for o, *_ in outcomes.values())} in {seconds:.0f} s -> {out}", file=sys.stderr)
 
 
-def _offline_reason(detail: str) -> str:
+def _cannot_run_reason(detail: str) -> str:
     if any(m in detail for m in HUB_MARKERS):
         return "needs a model or data set from the Hugging Face hub (offline)"
+    if "metal" in detail.lower() or "_gated_delta_kernel_impl" in detail:
+        return "needs MLX's Metal back-end (a Mac GPU; here MLX runs on the CPU)"
     for line in reversed(detail.strip().splitlines()):
         if "ModuleNotFoundError" in line or "ImportError" in line:
             return f"needs a package the venvs do not install ({line.split(':', 1)[-1].strip()})"
@@ -200,12 +206,12 @@ def cmd_compare(stock_path, patched_path):
     unexplained = []
     for t, v in sorted(s_out.items()):
         if v["outcome"] in ("error", "fail", "not-run"):
-            reason = _offline_reason(v["detail"])
+            reason = _cannot_run_reason(v["detail"])
             if reason:
                 offline[reason].append(t)
             else:
                 unexplained.append(t)
-    print("\nTests that cannot run offline here (stock and patched alike), by reason:")
+    print("\nTests that cannot run on this machine (stock and patched alike), by reason:")
     for reason, tests in offline.items():
         by_file = Counter(_file_of(t) for t in tests)
         print(f"- {reason}: {len(tests)} tests ({', '.join(f'{f} {n}' for f, n in sorted(by_file.items()))})")
@@ -217,10 +223,27 @@ def cmd_compare(stock_path, patched_path):
     return 1 if regressions else 0
 
 
+def cmd_check(path):
+    """The tests of one run that failed for no known reason (CI: the patched wheel on its own)."""
+    run = json.load(open(path))
+    outcomes = run["outcomes"]
+    bad = [t for t, v in outcomes.items() if v["outcome"] in ("fail", "error", "not-run", "unexpected-success")
+           and not _cannot_run_reason(v["detail"])]
+    c = Counter(v["outcome"] for v in outcomes.values())
+    cannot = sum(1 for v in outcomes.values() if v["outcome"] in ("fail", "error", "not-run") and _cannot_run_reason(v["detail"]))
+    for t in bad:
+        print(f"FAILED {t}\n{outcomes[t]['detail']}")
+    print(f"mlx-lm {run['mlx_lm']} suite: {c['pass'] + c['expected-failure']} passed, {len(bad)} failed, "
+          f"{c['skip']} skipped, {cannot} cannot run here (hub / Metal / package)")
+    return 1 if bad else 0
+
+
 if __name__ == "__main__":
     if len(sys.argv) >= 4 and sys.argv[1] == "run":
         cmd_run(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif len(sys.argv) == 4 and sys.argv[1] == "compare":
         sys.exit(cmd_compare(sys.argv[2], sys.argv[3]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "check":
+        sys.exit(cmd_check(sys.argv[2]))
     else:
         sys.exit(__doc__)

@@ -98,8 +98,13 @@ def test_native_dispatch_equals_the_hook(smollm, licence_tokens):
 
 @pytest.mark.patched_mlx_lm
 @patched_only
-def test_h2o_prompt_cache_saves_and_loads(smollm, licence_tokens, tmp_path):
+def test_h2o_prompt_cache_saves_and_loads(smollm, licence_tokens, tmp_path, monkeypatch):
+    """load_prompt_cache finds H2OKVCache through the policy's cache_classes, not through
+    mlx_lm.models.cache's globals (where the hook path's register_cache_class puts it)."""
+    from mlx_lm.models import cache as lm_cache
     from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    monkeypatch.delattr(lm_cache, "H2OKVCache", raising=False)
 
     model, _ = smollm
     caches = make_prompt_cache(model, 48, policy="h2o")

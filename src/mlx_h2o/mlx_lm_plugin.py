@@ -31,10 +31,9 @@ class _BuilderPolicy:
     ones with the allowed list); KEY=VALUE strings become int, float, bool or str. Remove once every
     POLICIES value is a Policy (name, summary, options, parse_options, make, cache_classes)."""
 
-    cache_classes = ()  # register_cache_class puts them in mlx_lm.models.cache, where load finds them
-
     def __init__(self, name, builder):
         self.name, self._builder = name, builder
+        self.cache_classes = _mlx_h2o_cache_classes()  # a superset: load_prompt_cache looks up by name
         self.summary = (inspect.getdoc(builder) or f"mlx-h2o's {name!r} cache").splitlines()[0]
         self.options = ()
 
@@ -52,6 +51,18 @@ class _BuilderPolicy:
 
     def make(self, model, **options):
         return self._builder(model, **options)
+
+
+def _mlx_h2o_cache_classes():
+    from mlx_lm.models.cache import _BaseCache
+
+    found, todo = set(), [_BaseCache]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.__module__.startswith("mlx_h2o."):
+                found.add(sub)
+    return tuple(sorted(found, key=lambda c: c.__name__))
 
 
 def policy(name: str):
