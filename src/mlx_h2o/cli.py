@@ -271,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="write a GGUF (default: the embedded model) as an mlx-lm model directory")
     c.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
     c.add_argument("--model", default=None, help="a llama .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    c.add_argument("--weights", default="quantized", choices=["quantized", "float32", "bfloat16", "float16"],
-                   help="the GGUF's packed weights (default) or dequantized to a dtype")
+    c.add_argument("--weights", default=None, choices=["quantized", "float32", "bfloat16", "float16"],
+                   help="the GGUF's packed weights or dequantized to a dtype (default: float32 on CPU, as mlx_h2o.load())")
     c.add_argument("--force", action="store_true", help="replace an existing --out directory")
     c.set_defaults(func=cmd_convert)
     return parser

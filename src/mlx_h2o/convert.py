@@ -18,9 +18,6 @@ from typing import Optional
 
 from .loading import WEIGHT_MODES, default_model_path, load_gguf
 
-DEFAULT_WEIGHTS = "quantized"  # the GGUF's own packed weights: the smallest faithful directory
-
-
 def model_config(model, tokenizer) -> dict:
     """config.json for mlx-lm: the llama arguments, the eos ids, and each quantized module's
     group size and bits (the default is the most common; modules that differ are listed by path)."""
@@ -34,12 +31,13 @@ def model_config(model, tokenizer) -> dict:
     return config
 
 
-def convert(out, gguf: Optional[str] = None, weights: str = DEFAULT_WEIGHTS, force: bool = False) -> Path:
+def convert(out, gguf: Optional[str] = None, weights: Optional[str] = None, force: bool = False) -> Path:
     """Write the GGUF at `gguf` (default: the embedded model) to the directory `out`; returns it.
-    An existing non-empty `out` is an error unless `force` (then it is replaced)."""
+    `weights` as `load_gguf`'s (default: float32 on the CPU, where packed matmuls are slow; the
+    GGUF's packed weights elsewhere). An existing non-empty `out` is an error unless `force`."""
     from mlx_lm.utils import save_config, save_model
 
-    if weights not in WEIGHT_MODES:
+    if weights is not None and weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

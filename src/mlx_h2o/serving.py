@@ -52,11 +52,11 @@ class Server:
 @contextlib.contextmanager
 def serve(model_dir: str, extra_args: Sequence[str] = (), log_path: Optional[str] = None, startup_timeout: float = 180.0,
           python: str = sys.executable) -> Iterator[Server]:
-    """`python -m mlx_lm server --model MODEL_DIR --host 127.0.0.1 --port P *extra_args`, ready to serve
-    (its model loaded: the first request is answered); stopped on exit."""
+    """`mlx_lm.server --model MODEL_DIR --host 127.0.0.1 --port P *extra_args` (through
+    `python -m mlx_h2o.run_mlx_lm`: OpenBLAS matmuls), answering /health; stopped on exit."""
     port = free_port()
     log_path = log_path or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"mlx_lm_server_{port}.log")
-    cmd = [python, "-m", "mlx_lm", "server", "--model", str(model_dir), "--host", HOST, "--port", str(port), *extra_args]
+    cmd = [python, "-m", "mlx_h2o.run_mlx_lm", "server", "--model", str(model_dir), "--host", HOST, "--port", str(port), *extra_args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
