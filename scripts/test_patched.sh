@@ -5,8 +5,8 @@
 #   2. the series' own tests and the quick offline part of mlx-lm's suite, from the patched tree,
 #      against the installed wheel (test_models.py and test_sample_utils.py, minutes on 2 cores, run
 #      in the full stock-vs-patched comparison: scripts/compare_mlx_lm_suite.sh, by hand);
-#   3. our tests with the patched wheel: the mlx-lm plugin, convert, and mlx-lm's commands and
-#      server on the converted embedded model (tests marked patched_mlx_lm).
+#   3. our tests with the patched wheel: the mlx-lm plugin, and mlx-lm's commands and server on the
+#      converted embedded model (test_convert.py runs with stock mlx-lm in scripts/test.sh).
 # Usage: scripts/test_patched.sh [--no-build] [pytest args...]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -21,4 +21,4 @@ rm -rf "$suite" && mkdir -p "$suite" && cp -R "$root/build/mlx-lm/patched/tests"
 # From a directory without src/: the installed mlx_h2o wheel is what the tests import.
 cd "$root/tests"
 "$py" -m pytest -q -p no:cacheprovider --rootdir "$root" -c "$root/pyproject.toml" \
-  test_mlx_lm_plugin.py test_convert.py test_mlx_lm_commands.py "$@"
+  test_mlx_lm_plugin.py test_mlx_lm_commands.py "$@"
