@@ -8,6 +8,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/transforms.h"
 
 #include "parallel.h"
 
@@ -339,6 +340,62 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   for (auto& a : in) enc.set_input_array(a);
   for (auto& o : outputs) enc.set_output_array(o);
   enc.dispatch([p]() { attention_cpu(p); });
+}
+
+std::vector<mx::array> AttentionWithScores::composed(const std::vector<mx::array>& inputs) {
+  std::vector<SegmentInput> segments;
+  size_t i = 1;
+  auto take = [&](int bits, int group_size) {
+    KVInput in{{inputs[i]}, bits, group_size};
+    if (bits) in.arrays = {inputs[i], inputs[i + 1], inputs[i + 2]};
+    i += bits ? 3 : 1;
+    return in;
+  };
+  for (const auto& f : formats_) {
+    KVInput k = take(f.k_bits, f.k_group_size);
+    segments.push_back({std::move(k), take(f.v_bits, f.v_group_size)});
+  }
+  std::optional<mx::array> mask, sinks;
+  if (mask_kind_ == MaskKind::array) mask = inputs[i++];
+  if (has_sinks_) sinks = inputs[i++];
+  const char* mode = mask_kind_ == MaskKind::causal ? "causal" : mask_kind_ == MaskKind::array ? "array" : "";
+  const char* scores = score_mode_ == ScoreMode::mass ? "mass" : score_mode_ == ScoreMode::logits ? "logits" : "";
+  return attention_with_scores_composed(inputs[0], segments, scale_, mode, mask, scores, sinks, stream());
+}
+
+std::function<std::vector<mx::array>(const std::vector<mx::array>&)> AttentionWithScores::composed_in(
+    const std::vector<mx::array>& primals, const std::vector<int>& argnums) {
+  return [this, primals, argnums](const std::vector<mx::array>& x) {
+    std::vector<mx::array> all = primals;
+    for (size_t j = 0; j < argnums.size(); ++j) all[argnums[j]] = x[j];
+    return composed(all);
+  };
+}
+
+// Only the argnums are variables: the other inputs (packed words, boolean masks) stay constants, so
+// no derivative is asked of an op that has none.
+static std::vector<mx::array> select(const std::vector<mx::array>& a, const std::vector<int>& argnums) {
+  std::vector<mx::array> out;
+  for (int i : argnums) out.push_back(a[i]);
+  return out;
+}
+
+std::vector<mx::array> AttentionWithScores::vjp(const std::vector<mx::array>& primals,
+                                                const std::vector<mx::array>& cotangents,
+                                                const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  return mx::vjp(composed_in(primals, argnums), select(primals, argnums), cotangents).second;
+}
+
+std::vector<mx::array> AttentionWithScores::jvp(const std::vector<mx::array>& primals,
+                                                const std::vector<mx::array>& tangents,
+                                                const std::vector<int>& argnums) {
+  return mx::jvp(composed_in(primals, argnums), select(primals, argnums), tangents).second;
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> AttentionWithScores::vmap(const std::vector<mx::array>& inputs,
+                                                                              const std::vector<int>& axes) {
+  auto outputs = mx::vmap([this](const std::vector<mx::array>& x) { return composed(x); }, axes)(inputs);
+  return {outputs, std::vector<int>(outputs.size(), 0)};
 }
 
 void AttentionWithScores::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -3,11 +3,13 @@
 // output and the attention each key received, from one pass over K and V.
 //
 // Written to MLX's extension conventions (op functions, a Primitive with eval_cpu, bindings apart) so
-// it could move into mlx::core::fast. The public ops built on it:
-//   scaled_dot_product_attention_with_scores            (scaled_dot_product_attention_with_scores.h)
-//   quantized_scaled_dot_product_attention_with_scores  (quantized_scaled_dot_product_attention_with_scores.h)
+// it could move into mlx::core::fast. The public single-segment ops
+// (mlx_h2o.scaled_dot_product_attention_with_scores for dense K/V,
+// mlx_h2o.quantized_scaled_dot_product_attention_with_scores for packed K/V) are this op with one
+// segment (src/mlx_h2o/attention.py).
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -75,11 +77,26 @@ class AttentionWithScores : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
+  // Transformations go through the composed definition (as mlx::core::fast::Custom does for MLX's
+  // fused ops): gradients, forward-mode derivatives and vmap of the same math, from stock ops.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override;
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array>& inputs,
+                                                          const std::vector<int>& axes) override;
+
   const char* name() const override { return "AttentionWithScores"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
+  // attention_with_scores_composed over this primitive's inputs (q, segment arrays, mask, sinks).
+  std::vector<mx::array> composed(const std::vector<mx::array>& inputs);
+  // composed() as a function of the inputs at `argnums`, the others fixed to `primals`.
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed_in(
+      const std::vector<mx::array>& primals, const std::vector<int>& argnums);
+
   float scale_;
   MaskKind mask_kind_;
   ScoreMode score_mode_;

@@ -46,6 +46,19 @@ def test_plugin_builds_the_same_caches_as_make_cache(smollm):
         mlx_lm_plugin.h2o.make(model, max_kv_size=64, sinks=3)
 
 
+def test_options_as_mlx_lm_lists_them():
+    options = {o.name: o for o in mlx_lm_plugin.h2o.options}
+    assert [o.name for o in mlx_lm_plugin.h2o.options] == [o.name for o in mlx_h2o.POLICIES["h2o"].options]
+    assert options["max_kv_size"].type("512") == 512 and options["max_kv_size"].default == "required"
+    assert "integer" in options["max_kv_size"].type.__name__
+    assert options["split"].default == "heavy" and "balanced" in options["split"].choices
+    assert options["max_kv_size"].choices is None
+    with pytest.raises(ValueError, match="max_kv_size"):
+        options["max_kv_size"].type("lots")
+    with pytest.raises(ValueError, match="split"):
+        mlx_lm_plugin.h2o.parse_options({"split": "sideways"})
+
+
 def _greedy(model, tokens, caches, steps=12):
     logits = model(mx.array(tokens)[None], cache=caches)
     out = []
@@ -75,21 +88,23 @@ def test_mlx_lm_finds_the_policies_through_entry_points(smollm):
 @pytest.mark.patched_mlx_lm
 @patched_only
 def test_native_dispatch_equals_the_hook(smollm, licence_tokens):
-    """The patched base.scaled_dot_product_attention reaches attend() with the hook removed: the
-    same greedy tokens, the same evictions, scores seen (not the sliding-window fallback)."""
+    """The patched base.scaled_dot_product_attention reaches attend() itself (mlx-h2o's probe sees it
+    and leaves mlx-lm's code alone): the same greedy tokens and evictions as through the hook's code
+    swap, scores seen (not the sliding-window fallback)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = smollm
     tokens = licence_tokens[:200]
-    hooked = make_prompt_cache(model, 48, policy="h2o")  # the policy installs the hook
-    assert hook.installed()
-    expected = _greedy(model, tokens, hooked)
+    assert hook.MLX_LM_CALLS_ATTEND
     native = make_prompt_cache(model, 48, policy="h2o")
-    hook.remove()
+    assert hook._target.__code__ is hook._original_code  # no code swap
+    got = _greedy(model, tokens, native)
+    hooked = make_prompt_cache(model, 48, policy="h2o")
+    hook._swap()
     try:
-        got = _greedy(model, tokens, native)
+        expected = _greedy(model, tokens, hooked)
     finally:
-        hook.install()
+        hook.remove()
     assert got == expected
     assert all(not c.scoreless for c in native)
     assert [c.evictions for c in native] == [c.evictions for c in hooked]
@@ -117,16 +132,20 @@ def test_h2o_prompt_cache_saves_and_loads(smollm, licence_tokens, tmp_path, monk
     assert mx.array_equal(model(step, cache=caches), model(step, cache=loaded))
 
 
-@pytest.mark.xfail(strict=True, reason="H2OKVCache.meta_state has no setter: mlx-lm releases that restore a cache with "
-                   "from_state(state, meta_state) cannot load it (integrator: caches/h2o.py)")
 def test_h2o_cache_restores_the_other_releases_way(smollm, licence_tokens):
     """Other mlx-lm releases save `meta_state` beside `state` and restore with
-    `obj.state = state; obj.meta_state = meta_state`."""
+    `obj.state = state; obj.meta_state = meta_state` (0.32.2 and the patched wheel: `state` only)."""
     model, _ = smollm
     caches = mlx_h2o.make_cache(model, "h2o", max_kv_size=48)
     model(mx.array(licence_tokens[:80])[None], cache=caches)
-    c = caches[0]
-    obj = type(c).__new__(type(c))
-    obj.state = c.state
-    obj.meta_state = c.meta_state
-    assert obj.offset == c.offset
+
+    def restore(c):
+        obj = type(c).__new__(type(c))
+        obj.state = c.state
+        obj.meta_state = c.meta_state
+        return obj
+
+    restored = [restore(c) for c in caches]
+    assert [c.offset for c in restored] == [c.offset for c in caches]
+    step = mx.array(licence_tokens[80:81])[None]
+    assert mx.array_equal(model(step, cache=restored), model(step, cache=caches))

@@ -4,9 +4,10 @@
 
 #include <cstdint>
 
+#include "elem_type.h"
+
 namespace mlx_h2o {
 
-enum class ElemType : int { float32 = 0, float16 = 1, bfloat16 = 2, boolean = 3 };
 enum class MaskKind : int { none = 0, causal = 1, array = 2 };
 enum class ScoreMode : int { none = 0, mass = 1, logits = 2 };
 
@@ -58,8 +59,5 @@ struct AttentionProblem {
 
 /** Runs the fused kernel for the best instruction set this CPU supports. */
 void attention_cpu(const AttentionProblem& p);
-
-/** Which kernel variant attention_cpu() runs on this machine (e.g. "avx2+fma+f16c", "generic"). */
-const char* attention_cpu_isa();
 
 }  // namespace mlx_h2o

@@ -24,7 +24,7 @@ from .caches import POLICIES, make_cache  # noqa: E402
 from .hook import use_fast_cpu_attention  # noqa: E402
 from .loading import load  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "PackedKV",
     "attention_with_scores",

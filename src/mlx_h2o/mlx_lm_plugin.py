@@ -7,15 +7,15 @@ policy, so every mlx-lm command runs them:
     mlx_lm.generate --model DIR --kv-policy h2o --kv-option max_kv_size=512 --prompt "..."
     mlx_lm.server --model DIR --kv-policy h2o --kv-option max_kv_size=512
 
-An entry point resolves to an object with what mlx-lm's plugin protocol asks for (`name`, `summary`,
-`options`, `parse_options`, `make`, `cache_classes`): `mlx_h2o.caches.POLICIES[name]` itself.
-mlx-lm builds in `full` and `rotating` (the same caches as ours), so those two are not registered:
-a name defined twice is an error in mlx-lm.
-
-With stock mlx-lm nothing reads these entry points, and mlx-h2o keeps working through its hook.
+Each attribute is a `PluginPolicy`: mlx-lm's plugin protocol (`name`, `summary`, `options`,
+`parse_options`, `make`, `cache_classes`) over `mlx_h2o.caches.POLICIES[name]`. mlx-lm builds in
+`full` and `rotating` (the same caches as ours), so those two are not registered: a name defined
+twice is an error in mlx-lm. With stock mlx-lm nothing reads these entry points, and mlx-h2o keeps
+working through its hook.
 """
 
-import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import mlx_h2o  # noqa: F401  (loads mlx.core before the extension the caches use)
 
@@ -25,50 +25,41 @@ from .caches import POLICIES
 MLX_LM_BUILTINS = ("full", "rotating")
 
 
-class _BuilderPolicy:
-    """STOPGAP while `mlx_h2o.caches.POLICIES` maps names to builder functions: the plugin protocol
-    over a builder. Options are passed to the builder unchecked (which rejects unknown
-    ones with the allowed list); KEY=VALUE strings become int, float, bool or str. Remove once every
-    POLICIES value is a Policy (name, summary, options, parse_options, make, cache_classes)."""
+@dataclass(frozen=True)
+class PluginOption:
+    """An option as mlx-lm lists it: `type` parses the command-line text (its __name__ says what
+    it accepts), `choices` the values a user can write."""
 
-    def __init__(self, name, builder):
-        self.name, self._builder = name, builder
-        self.cache_classes = _mlx_h2o_cache_classes()  # a superset: load_prompt_cache looks up by name
-        self.summary = (inspect.getdoc(builder) or f"mlx-h2o's {name!r} cache").splitlines()[0]
-        self.options = ()
+    name: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: Optional[Sequence[Any]]
 
-    @staticmethod
-    def _value(text: str):
-        for parse in (int, float):
-            try:
-                return parse(text)
-            except ValueError:
-                pass
-        return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+    @classmethod
+    def of(cls, option):
+        def parse(text: str):
+            return option.parse(text)
+
+        parse.__name__ = option.kind.describe()
+        default = "required" if option.required else option.default
+        choices = tuple(option.kind.names()) if hasattr(option.kind, "names") else None
+        return cls(option.name, parse, default, option.help, choices)
+
+
+class PluginPolicy:
+    """mlx-lm's cache-policy plugin protocol over an mlx-h2o `Policy` (options.py)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.name, self.summary, self.cache_classes = policy.name, policy.summary, policy.cache_classes
+        self.options = tuple(PluginOption.of(o) for o in policy.options)
 
     def parse_options(self, items):
-        return {k: self._value(v) for k, v in items.items()}
+        return self.policy.parse_options(items)
 
     def make(self, model, **options):
-        return self._builder(model, **options)
-
-
-def _mlx_h2o_cache_classes():
-    from mlx_lm.models.cache import _BaseCache
-
-    found, todo = set(), [_BaseCache]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            todo.append(sub)
-            if sub.__module__.startswith("mlx_h2o."):
-                found.add(sub)
-    return tuple(sorted(found, key=lambda c: c.__name__))
-
-
-def policy(name: str):
-    """The plugin object of mlx-h2o's policy `name`."""
-    p = POLICIES[name]
-    return p if hasattr(p, "make") else _BuilderPolicy(name, p)
+        return self.policy.make(model, **options)
 
 
 def registered_names():
@@ -77,7 +68,7 @@ def registered_names():
 
 
 # One attribute per entry point of pyproject.toml's [project.entry-points."mlx_lm.cache_policies"].
-h2o = policy("h2o")
-quantized = policy("quantized")
-reserved = policy("reserved")
-rotated = policy("rotated")
+h2o = PluginPolicy(POLICIES["h2o"])
+quantized = PluginPolicy(POLICIES["quantized"])
+reserved = PluginPolicy(POLICIES["reserved"])
+rotated = PluginPolicy(POLICIES["rotated"])
