@@ -215,6 +215,9 @@ def cmd_compare(stock_path, patched_path):
     for reason, tests in offline.items():
         by_file = Counter(_file_of(t) for t in tests)
         print(f"- {reason}: {len(tests)} tests ({', '.join(f'{f} {n}' for f, n in sorted(by_file.items()))})")
+    for reason, tests in offline.items():
+        print(f"\n{reason}:")
+        print("\n".join(f"- {t} ({s_out[t]['outcome']})" for t in tests))
     if unexplained:
         print(f"\nFailing on stock for another reason: {len(unexplained)}")
         for t in unexplained:
