@@ -41,9 +41,10 @@ class PluginOption:
         def parse(text: str):
             return option.parse(text)
 
-        parse.__name__ = option.kind.describe()
-        default = "required" if option.required else option.default
         choices = tuple(option.kind.names()) if hasattr(option.kind, "names") else None
+        # mlx-lm prints the type's name, then the choices: the kind's Markdown form without them
+        parse.__name__ = "choice" if choices else option.kind.describe().replace("`", "").replace("\\|", "|")
+        default = "required" if option.required else option.default
         return cls(option.name, parse, default, option.help, choices)
 
 
