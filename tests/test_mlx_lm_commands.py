@@ -90,7 +90,12 @@ def _h2o_request_cache_mib(model_dir, prefill_step):
 
 
 def test_server_h2o_bounded_memory(model_dir, smollm, tmp_path):
-    _, tokenizer = smollm
+    from mlx_lm.generate import cache_batching_blocker
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = smollm
+    # The server batches h2o requests when the h2o cache merges; otherwise it serves them one at a time.
+    blocker = cache_batching_blocker(make_prompt_cache(model, M, policy="h2o"))
     prompts = [serving.long_prompt(tokenizer, PROMPT_TOKENS, seed=i) for i in range(1 + CONCURRENT)]
     for p in prompts:
         assert len(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)) >= PROMPT_TOKENS
@@ -105,9 +110,11 @@ def test_server_h2o_bounded_memory(model_dir, smollm, tmp_path):
         rss = [rss_first, server.rss_mib()]
         assert all(c.status == 200 and c.text.strip() for c in results), [(c.status, c.error) for c in results]
         assert all(c.ttft is not None for c in results[::2])  # the streamed half
-        # Bound: the first request's RSS plus what the prompt-cache LRU may keep (lru_entries caches of
-        # at most M + one chunk rows) plus 25% of the first RSS for the allocator's pool.
-        bound = rss_first + lru_entries * _h2o_request_cache_mib(model_dir, prefill_step) + 0.25 * rss_first
+        # Bound: the first request's RSS plus the caches that may be alive at once (the prompt-cache
+        # LRU's entries, and the batch's sequences when batched; each at most M + one chunk rows), plus
+        # 25% of the first RSS for the allocator's pool. It does not grow with the requests served.
+        alive = lru_entries + (CONCURRENT if blocker is None else 1)
+        bound = rss_first + alive * _h2o_request_cache_mib(model_dir, prefill_step) + 0.25 * rss_first
         assert rss[-1] <= bound, (rss, bound)
 
         # Bad requests: a clear 4xx, and the server keeps serving.
@@ -122,9 +129,12 @@ def test_server_h2o_bounded_memory(model_dir, smollm, tmp_path):
         ok = serving.chat(server.port, [{"role": "user", "content": "Say hello."}], 16, True, 120)
         assert ok.status == 200 and ok.text.strip(), ok
         log = server.log()
-    # h2o caches cannot merge yet: requests are served one at a time, and the log says why
-    assert "Serving requests one at a time: H2OKVCache.merge" in log, log[-3000:]
-    print(f"\nRSS MiB: after the first request {rss_first:.0f}, after {CONCURRENT} more {rss[1]:.0f}, bound {bound:.0f}")
+    if blocker is None:  # batched: nothing served one at a time
+        assert "one at a time" not in log, log[-3000:]
+    else:  # served one at a time, and the log says why
+        assert f"Serving requests one at a time: {blocker}" in log, log[-3000:]
+    print(f"\nh2o batched: {blocker is None}; RSS MiB: after the first request {rss_first:.0f}, "
+          f"after {CONCURRENT} more {rss[1]:.0f}, bound {bound:.0f}")
 
 
 def test_server_rejects_a_bad_policy_or_option_at_startup(model_dir):
