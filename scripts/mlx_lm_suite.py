@@ -1,6 +1,7 @@
 """Run mlx-lm's own unittest suite and record every test's outcome, or compare two such records.
 
     python mlx_lm_suite.py run TESTS_DIR OUT.json [PATTERN ...]   # in the venv under test
+    python mlx_lm_suite.py run --fused-attention TESTS_DIR OUT.json [PATTERN ...]
     python mlx_lm_suite.py compare STOCK.json PATCHED.json        # the side-by-side table
     python mlx_lm_suite.py check RUN.json                         # exit 1 on a failure with no reason
 
@@ -8,7 +9,9 @@
 directory with no mlx_lm/ source tree beside it (so the installed wheel is what runs), optionally
 only the files matching the glob PATTERNs (a PATTERN starting with ! excludes). Each test gets one outcome: pass, fail, error, skip,
 expected-failure, unexpected-success, or not-run (its class or module set-up failed; the set-up's
-error is kept as the reason). `compare` prints, per test file, pass/fail/error/skip on stock and on
+error is kept as the reason). `--fused-attention` runs the suite with mlx-h2o's fused CPU attention
+as every model's attention (`mlx_h2o.use_fast_cpu_attention()`), to compare it with mlx-lm's own.
+`compare` prints, per test file, pass/fail/error/skip on stock and on
 patched, the tests that pass on stock but not patched (regressions: exit status 1), the series' new
 tests, and the tests that cannot run here with the reason (a model or data set from a hub, which
 this offline machine cannot reach; a package the venvs do not install; MLX's Metal back-end).
@@ -113,7 +116,11 @@ def _file_of(test_id: str) -> str:
     return test_id.split(".")[0] + ".py"
 
 
-def cmd_run(tests_dir, out, patterns):
+def cmd_run(tests_dir, out, patterns, fused_attention=False):
+    if fused_attention:
+        import mlx_h2o
+
+        mlx_h2o.use_fast_cpu_attention()
     tests_dir = os.path.abspath(tests_dir)
     os.chdir(os.path.dirname(tests_dir))
     if os.path.isdir("mlx_lm"):
@@ -134,6 +141,11 @@ def cmd_run(tests_dir, out, patterns):
     import mlx_lm
 
     runner = unittest.TextTestRunner(resultclass=_Recorder, verbosity=1, stream=sys.stderr)
+    # mlx-lm's model tests draw random weights without a seed; one fixed seed makes two runs (stock
+    # and patched, or two attention implementations) test the same models.
+    import mlx.core as mx
+
+    mx.random.seed(0)
     tic = time.perf_counter()
     result = runner.run(suite)
     seconds = time.perf_counter() - tic
@@ -242,11 +254,13 @@ def cmd_check(path):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 4 and sys.argv[1] == "run":
-        cmd_run(sys.argv[2], sys.argv[3], sys.argv[4:])
-    elif len(sys.argv) == 4 and sys.argv[1] == "compare":
-        sys.exit(cmd_compare(sys.argv[2], sys.argv[3]))
-    elif len(sys.argv) == 3 and sys.argv[1] == "check":
-        sys.exit(cmd_check(sys.argv[2]))
+    fused = "--fused-attention" in sys.argv[2:3]
+    args = [a for i, a in enumerate(sys.argv) if not (i == 2 and fused)]
+    if len(args) >= 4 and args[1] == "run":
+        cmd_run(args[2], args[3], args[4:], fused_attention=fused)
+    elif len(args) == 4 and args[1] == "compare":
+        sys.exit(cmd_compare(args[2], args[3]))
+    elif len(args) == 3 and args[1] == "check":
+        sys.exit(cmd_check(args[2]))
     else:
         sys.exit(__doc__)
