@@ -388,11 +388,42 @@ def test_save_load_round_trip_reproduces_generation(tmp_path):
     np.testing.assert_array_equal(_greedy_logits(model, loaded, last, 30), _greedy_logits(model, cache, last, 30))
 
 
-def test_mlx_lm_batch_generator_gets_a_clear_error():
+def _generate_alone(model, prompt, steps, **options):
+    cache = mlx_h2o.make_cache(model, "h2o", **options)
+    out = []
+    for y, _ in generate_step(mx.array(prompt), model, max_tokens=steps, prompt_cache=cache):
+        out.append(int(y))
+    return out
+
+
+def test_batch_generator_equals_each_sequence_alone():
+    """mlx-lm's BatchGenerator (continuous batching, as batch_generate and the server use it):
+    prompts of different lengths (right-padded together), sequences that finish early (filter)
+    and join late (extend); each sequence's tokens equal its own generation, and the finished
+    sequences' caches (extract) held at most the budget."""
+    from mlx_lm.generate import BatchGenerator
+
     model = tiny_model("llama")
-    caches = [mlx_h2o.make_cache(model, "h2o", max_kv_size=16) for _ in range(2)]
-    with pytest.raises(ValueError, match="BatchGenerator"):
-        H2OKVCache.merge([c[0] for c in caches])
+    M = 24
+    prompts = [np.random.default_rng(20 + i).integers(0, VOCAB, n).tolist() for i, n in enumerate((40, 9, 70, 33))]
+    steps = [30, 12, 25, 40]
+    want = [_generate_alone(model, p, n, max_kv_size=M, evict_every=3) for p, n in zip(prompts, steps)]
+    gen = BatchGenerator(model, stop_tokens=[], prefill_batch_size=3, completion_batch_size=3)
+    caches = [mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=3) for _ in prompts]
+    uids = gen.insert(prompts[:3], steps[:3], caches=caches[:3])
+    got, finished, late = {u: [] for u in uids}, {}, None
+    while len(finished) < len(prompts):
+        for r in gen.next_generated():
+            got.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                finished[r.uid] = r.prompt_cache
+        if late is None and finished:  # a fourth request joins while the others decode
+            late = gen.insert(prompts[3:], steps[3:], caches=caches[3:])[0]
+    gen.close()
+    assert [got[u] for u in uids + [late]] == want
+    for cache in finished.values():
+        assert all(isinstance(c, H2OKVCache) and c.size() <= min(M + 2, c.offset) for c in cache)
+    assert sorted(max(c.offset for c in cache) for cache in finished.values()) == sorted(len(p) + n for p, n in zip(prompts, steps))
 
 
 @pytest.mark.parametrize(

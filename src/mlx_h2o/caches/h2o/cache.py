@@ -115,10 +115,11 @@ class H2OKVCache(AttendingCache):
 
     @classmethod
     def merge(cls, caches):
-        raise ValueError(
-            "the h2o cache does not support mlx-lm's BatchGenerator yet; batch equal-length sequences "
-            "in one model call instead (each sequence is evicted independently)"
-        )
+        """mlx-lm's BatchGenerator: several sequences' caches of this layer as one batch cache,
+        each sequence still evicted on its own (batch.py)."""
+        from .batch import BatchH2OKVCache
+
+        return BatchH2OKVCache.merge(caches)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None and self.offset + N > window_size:
