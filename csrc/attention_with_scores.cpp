@@ -8,35 +8,13 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/transforms.h"
 
+#include "op_utils.h"
 #include "parallel.h"
 
 namespace mlx_h2o {
 
 namespace {
-
-constexpr const char* OP = "attention_with_scores";
-
-std::string shape_str(const mx::Shape& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << (s.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
-
-bool is_float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
-
-ElemType elem_type(mx::Dtype t) {
-  if (t == mx::float32) return ElemType::float32;
-  if (t == mx::float16) return ElemType::float16;
-  if (t == mx::bfloat16) return ElemType::bfloat16;
-  if (t == mx::bool_) return ElemType::boolean;
-  throw std::invalid_argument("[mlx_h2o] unsupported dtype");
-}
 
 View4 view_of(const mx::array& a) {
   View4 v;
@@ -162,33 +140,6 @@ Checked check_args(const mx::array& q, const std::vector<SegmentInput>& segments
   }
   return c;
 }
-
-// Copies a strided array into a row-contiguous buffer inside the stream's queue (the source is only
-// valid once earlier tasks ran). Used for the rare input whose last axis is not unit-stride.
-mx::array contiguous_copy(const mx::array& a, mx::cpu::CommandEncoder& enc) {
-  mx::array out(a.shape(), a.dtype(), nullptr, {});
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  enc.add_temporary(out);
-  enc.dispatch([src = static_cast<const char*>(a.data<void>()), dst = static_cast<char*>(out.data<void>()),
-                es = a.itemsize(), shape = a.shape(), strides = a.strides()]() {
-    const int nd = static_cast<int>(shape.size());
-    std::vector<int64_t> idx(nd, 0);
-    int64_t total = 1;
-    for (auto d : shape) total *= d;
-    for (int64_t i = 0; i < total; ++i) {
-      int64_t off = 0;
-      for (int d = 0; d < nd; ++d) off += idx[d] * strides[d];
-      std::memcpy(dst + i * es, src + off * es, es);
-      for (int d = nd - 1; d >= 0; --d) {
-        if (++idx[d] < shape[d]) break;
-        idx[d] = 0;
-      }
-    }
-  });
-  return out;
-}
-
-bool needs_copy(const mx::array& a) { return a.shape().back() > 1 && a.strides().back() != 1; }
 
 // Reads one K or V source from the primitive's inputs at `i` (advancing it).
 KVSource read_source(const std::vector<mx::array>& in, size_t& i, int bits, int group_size) {
@@ -361,41 +312,6 @@ std::vector<mx::array> AttentionWithScores::composed(const std::vector<mx::array
   const char* mode = mask_kind_ == MaskKind::causal ? "causal" : mask_kind_ == MaskKind::array ? "array" : "";
   const char* scores = score_mode_ == ScoreMode::mass ? "mass" : score_mode_ == ScoreMode::logits ? "logits" : "";
   return attention_with_scores_composed(inputs[0], segments, scale_, mode, mask, scores, sinks, stream());
-}
-
-std::function<std::vector<mx::array>(const std::vector<mx::array>&)> AttentionWithScores::composed_in(
-    const std::vector<mx::array>& primals, const std::vector<int>& argnums) {
-  return [this, primals, argnums](const std::vector<mx::array>& x) {
-    std::vector<mx::array> all = primals;
-    for (size_t j = 0; j < argnums.size(); ++j) all[argnums[j]] = x[j];
-    return composed(all);
-  };
-}
-
-// Only the argnums are variables: the other inputs (packed words, boolean masks) stay constants, so
-// no derivative is asked of an op that has none.
-static std::vector<mx::array> select(const std::vector<mx::array>& a, const std::vector<int>& argnums) {
-  std::vector<mx::array> out;
-  for (int i : argnums) out.push_back(a[i]);
-  return out;
-}
-
-std::vector<mx::array> AttentionWithScores::vjp(const std::vector<mx::array>& primals,
-                                                const std::vector<mx::array>& cotangents,
-                                                const std::vector<int>& argnums, const std::vector<mx::array>&) {
-  return mx::vjp(composed_in(primals, argnums), select(primals, argnums), cotangents).second;
-}
-
-std::vector<mx::array> AttentionWithScores::jvp(const std::vector<mx::array>& primals,
-                                                const std::vector<mx::array>& tangents,
-                                                const std::vector<int>& argnums) {
-  return mx::jvp(composed_in(primals, argnums), select(primals, argnums), tangents).second;
-}
-
-std::pair<std::vector<mx::array>, std::vector<int>> AttentionWithScores::vmap(const std::vector<mx::array>& inputs,
-                                                                              const std::vector<int>& axes) {
-  auto outputs = mx::vmap([this](const std::vector<mx::array>& x) { return composed(x); }, axes)(inputs);
-  return {outputs, std::vector<int>(outputs.size(), 0)};
 }
 
 void AttentionWithScores::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -9,7 +9,6 @@
 // segment (src/mlx_h2o/attention.py).
 #pragma once
 
-#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -17,6 +16,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "composed_primitive.h"
 #include "kernels/attention_problem.h"
 
 namespace mlx_h2o {
@@ -63,11 +63,11 @@ struct SegmentFormat {
   }
 };
 
-class AttentionWithScores : public mx::Primitive {
+class AttentionWithScores : public ComposedPrimitive {
  public:
   AttentionWithScores(mx::Stream stream, float scale, MaskKind mask_kind, ScoreMode score_mode, bool has_sinks,
                       std::vector<SegmentFormat> formats)
-      : mx::Primitive(stream),
+      : ComposedPrimitive(stream),
         scale_(scale),
         mask_kind_(mask_kind),
         score_mode_(score_mode),
@@ -76,27 +76,15 @@ class AttentionWithScores : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-
-  // Transformations go through the composed definition (as mlx::core::fast::Custom does for MLX's
-  // fused ops): gradients, forward-mode derivatives and vmap of the same math, from stock ops.
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override;
-  std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array>& inputs,
-                                                          const std::vector<int>& axes) override;
+  // attention_with_scores_composed over this primitive's inputs (q, segment arrays, mask, sinks):
+  // what vjp, jvp and vmap differentiate / map.
+  std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
 
   const char* name() const override { return "AttentionWithScores"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
-  // attention_with_scores_composed over this primitive's inputs (q, segment arrays, mask, sinks).
-  std::vector<mx::array> composed(const std::vector<mx::array>& inputs);
-  // composed() as a function of the inputs at `argnums`, the others fixed to `primals`.
-  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed_in(
-      const std::vector<mx::array>& primals, const std::vector<int>& argnums);
-
   float scale_;
   MaskKind mask_kind_;
   ScoreMode score_mode_;
