@@ -12,6 +12,7 @@
 #include "attention_with_scores.h"
 #include "kernels/isa.h"
 #include "parallel.h"
+#include "quantized_matmul.h"
 #include "uninitialized.h"
 
 namespace nb = nanobind;
@@ -77,4 +78,10 @@ NB_MODULE(_ext, m) {
       "q"_a, "segments"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "composed"_a,
       "stream"_a = nb::none(), "Fused attention over K/V segments (Python API: mlx_h2o.attention_with_scores and the\n"
       "single-segment mlx_h2o.scaled_dot_product_attention_with_scores / quantized_... built on it).");
+
+  m.def("quantized_matmul", &mlx_h2o::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "max_rows"_a = -1, "stream"_a = nb::none(),
+        "x @ W^T over packed affine weights (Python API: mlx_h2o.quantized_matmul).");
+  m.def("quantized_matmul_composed", &mlx_h2o::quantized_matmul_composed, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, "stream"_a = nb::none(), "Dequantize + matmul: the definition of quantized_matmul.");
 }

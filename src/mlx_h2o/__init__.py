@@ -23,6 +23,10 @@ from .attention import (  # noqa: E402
 from .caches import POLICIES, make_cache  # noqa: E402
 from .hook import use_fast_cpu_attention  # noqa: E402
 from .loading import load  # noqa: E402
+from .quantized_linear import quantized_matmul, use_fast_quantized_matmul  # noqa: E402
+from .quantized_linear import _enable_by_default as _enable_quantized_matmul  # noqa: E402
+
+_enable_quantized_matmul()  # QuantizedLinear on CPU streams -> the integer-dot kernel (opt out: see quantized_linear.py)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -32,7 +36,9 @@ __all__ = [
     "load",
     "make_cache",
     "POLICIES",
+    "quantized_matmul",
     "quantized_scaled_dot_product_attention_with_scores",
     "scaled_dot_product_attention_with_scores",
     "use_fast_cpu_attention",
+    "use_fast_quantized_matmul",
 ]

@@ -1,0 +1,128 @@
+// y = x @ W^T over MLX's packed affine weights with integer dot products (see int8_dot.h). Per-ISA
+// kernel source: no include guard, included once per instruction set by quantized_matmul_cpu.cpp
+// (isa_variants.inc).
+//
+// With w = s_g * q + b_g per group g and each 32-value block c of x approximated as d_c * xq_c:
+//   y[n] = sum_g s_g * sum_{c in g} d_c * (xq_c . q_c)  +  sum_g b_g * sum_{j in g} x_j
+// The integer dots carry the int8 rounding of x (|x - d * xq| <= d / 2 per value); the bias term uses
+// the exact float sums of x, so it adds no error. 8-bit weights are dotted as q - 128 (signed), their
+// bias shifted by 128 * s_g to match.
+
+#include "simd.h"
+#include "convert.h"
+#include "work.h"
+#include "int8_dot.h"
+
+namespace mlx_h2o {
+namespace MLX_H2O_ISA_NS {
+
+// The rows of x of one call, quantized once.
+struct QuantizedRows {
+  const int8_t* q;     // [M x K]
+  const float* d;      // [M x K / 32] block scales
+  const float* gsum;   // [M x K / group_size] exact sums of x per weight group
+  int K, blocks, groups;
+};
+
+// Output columns [n0, n1) for the RR rows r0.. of x.
+template <int BITS, int RR, class SE>
+static void qmm_columns(const QuantizedMatmulProblem& p, const QuantizedRows& a, int r0, int n0, int n1) {
+  using PB = PackedBlocks<BITS>;
+  using S = typename SE::Storage;
+  constexpr int block_bytes = QBLOCK * BITS / 8;
+  const int bpg = p.group_size / QBLOCK;
+  const int64_t row_bytes = static_cast<int64_t>(p.K) * BITS / 8;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
+  const S* scales = static_cast<const S*>(p.scales);
+  const S* biases = static_cast<const S*>(p.biases);
+  const int8_t* xq[RR];
+  const float* xd[RR];
+  const float* xs[RR];
+  for (int r = 0; r < RR; ++r) {
+    xq[r] = a.q + static_cast<int64_t>(r0 + r) * a.K;
+    xd[r] = a.d + static_cast<int64_t>(r0 + r) * a.blocks;
+    xs[r] = a.gsum + static_cast<int64_t>(r0 + r) * a.groups;
+  }
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    const S* sr = scales + static_cast<int64_t>(n) * a.groups;
+    const S* br = biases + static_cast<int64_t>(n) * a.groups;
+    v8f acc[RR];
+    float bias_sum[RR];
+    for (int r = 0; r < RR; ++r) acc[r] = zeros8(), bias_sum[r] = 0.0f;
+    for (int g = 0; g < a.groups; ++g) {
+      const float s = SE::load1(sr + g);
+      const float b = SE::load1(br + g) + PB::bias_shift * s;
+      for (int r = 0; r < RR; ++r) bias_sum[r] += b * xs[r][g];
+      for (int c = g * bpg; c < (g + 1) * bpg; ++c) {
+        const typename PB::Block W = PB::load(wr + c * block_bytes);
+        for (int r = 0; r < RR; ++r)
+          acc[r] += __builtin_convertvector(dot_block(W, xq[r] + c * QBLOCK), v8f) * splat(s * xd[r][c]);
+      }
+    }
+    for (int r = 0; r < RR; ++r)
+      store_scalar(p.out, p.out_type, static_cast<int64_t>(r0 + r) * p.N + n, hsum(acc[r]) + bias_sum[r]);
+  }
+}
+
+// f(BitsC, SE) with the compile-time bits and scale element type of `p`: the one place the weight
+// formats are enumerated.
+template <int B>
+struct Bits {
+  static constexpr int value = B;
+};
+template <class F>
+static void with_weight_format(const QuantizedMatmulProblem& p, F&& f) {
+  auto by_scale = [&](auto bits) {
+    switch (p.scale_type) {
+      case ElemType::float32: f(bits, F32Elem{}); return;
+      case ElemType::float16: f(bits, F16Elem{}); return;
+      case ElemType::bfloat16: f(bits, BF16Elem{}); return;
+      default: return;  // rejected by the op
+    }
+  };
+  if (p.bits == 4) by_scale(Bits<4>{});
+  if (p.bits == 8) by_scale(Bits<8>{});
+}
+
+static void run_quantized_matmul(const QuantizedMatmulProblem& p) {
+  const int K = p.K, blocks = K / QBLOCK, groups = K / p.group_size;
+  Scratch<int8_t> q(static_cast<int64_t>(p.M) * K);
+  FloatBuffer d(static_cast<int64_t>(p.M) * blocks), gsum(static_cast<int64_t>(p.M) * groups), xf(K);
+  for (int r = 0; r < p.M; ++r) {
+    const int64_t base = static_cast<int64_t>(r) * K;
+    for (int j = 0; j < K; ++j) xf.p[j] = load_scalar(p.x, p.x_type, base + j);
+    quantize_int8_blocks(xf.p, K, p.bits, q.p + base, d.p + static_cast<int64_t>(r) * blocks);
+    for (int g = 0; g < groups; ++g) {
+      v8f s = zeros8();
+      for (int j = g * p.group_size; j < (g + 1) * p.group_size; j += 8) s += load8(xf.p + j);
+      gsum.p[static_cast<int64_t>(r) * groups + g] = hsum(s);
+    }
+  }
+  const QuantizedRows rows{q.p, d.p, gsum.p, K, blocks, groups};
+  constexpr int chunk = 32;  // output columns per task
+  const int tasks = (p.N + chunk - 1) / chunk;
+  const int64_t work = static_cast<int64_t>(p.M) * p.N * K;
+  const int threads = work < (int64_t(1) << 17) ? 1 : p.threads;
+  with_weight_format(p, [&](auto bits, auto scale_elem) {
+    constexpr int BITS = decltype(bits)::value;
+    using SE = decltype(scale_elem);
+    auto task = [&](int t) {
+      const int n0 = t * chunk, n1 = imin(p.N, n0 + chunk);
+      for (int r0 = 0; r0 < p.M; r0 += 4) {
+        switch (imin(4, p.M - r0)) {
+          case 4: qmm_columns<BITS, 4, SE>(p, rows, r0, n0, n1); break;
+          case 3: qmm_columns<BITS, 3, SE>(p, rows, r0, n0, n1); break;
+          case 2: qmm_columns<BITS, 2, SE>(p, rows, r0, n0, n1); break;
+          default: qmm_columns<BITS, 1, SE>(p, rows, r0, n0, n1); break;
+        }
+      }
+    };
+    run_parallel(tasks, threads, task);
+  });
+}
+
+static void quantized_matmul_cpu_entry(const QuantizedMatmulProblem& p) { run_quantized_matmul(p); }
+
+}  // namespace MLX_H2O_ISA_NS
+}  // namespace mlx_h2o
