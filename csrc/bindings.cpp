@@ -84,4 +84,6 @@ NB_MODULE(_ext, m) {
         "x @ W^T over packed affine weights (Python API: mlx_h2o.quantized_matmul).");
   m.def("quantized_matmul_composed", &mlx_h2o::quantized_matmul_composed, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "stream"_a = nb::none(), "Dequantize + matmul: the definition of quantized_matmul.");
+  m.def("dequantize_affine", &mlx_h2o::dequantize_affine, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "dtype"_a, "stream"_a = nb::none(), "Packed affine weights as a dense array (one vectorized pass on the CPU).");
 }

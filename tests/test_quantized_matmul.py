@@ -197,3 +197,18 @@ def test_lora_style_gradient_with_the_kernel_on():
         mlx_h2o.use_fast_quantized_matmul(True)
     for (_, a), (_, b) in zip(tree_flatten(ours), tree_flatten(stock)):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=0.1, atol=0.05 * np.abs(np.array(b)).max())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_dequantize_affine_is_the_stored_values(bits):
+    """The prefill path's dequantize: every bits / group / scale dtype / output dtype, equal to the
+    float64 decoding of the stored values up to the output dtype's rounding."""
+    rng = np.random.default_rng(bits)
+    for group_size in (32, 64, 128):
+        for sdtype in DTYPES:
+            wq = mx.quantize(mx.array(rng.standard_normal((37, 256)).astype(np.float32)).astype(sdtype), group_size=group_size, bits=bits)
+            ref = numpy_dequantize(*wq, bits, group_size)
+            for odtype in DTYPES:
+                got = _ext.dequantize_affine(*wq, group_size, bits, odtype)
+                assert got.dtype == odtype and got.shape == ref.shape
+                np.testing.assert_allclose(np.array(got.astype(mx.float32)), ref, rtol=OUT_ULP[odtype] * 2, atol=1e-6)

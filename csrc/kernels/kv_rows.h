@@ -74,23 +74,7 @@ struct QuantLoader {
     return Group{splat(ScaleElem::load1(r.scale + g)), splat(ScaleElem::load1(r.bias + g))};
   }
   static v8f load(const Row& r, const Group& gp, int d) {
-    const uint8_t* p = r.w + (static_cast<unsigned>(d) >> 3) * BITS;
-    v8f x;
-    if constexpr (BITS == 8) {
-      x = u8x8_to_float(p);
-    } else if constexpr (BITS == 4 || BITS == 2) {
-      uint32_t word = 0;
-      __builtin_memcpy(&word, p, BITS);
-      const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 4u * BITS, 5u * BITS, 6u * BITS, 7u * BITS};
-      x = __builtin_convertvector(bitcast<v8i>((v8u{} + word) >> shifts & ((1u << BITS) - 1u)), v8f);
-    } else {  // 3, 5, 6 bits: two 32-bit halves of the BITS-byte chunk
-      uint64_t bitsv = 0;
-      __builtin_memcpy(&bitsv, p, BITS);
-      const uint32_t lo = static_cast<uint32_t>(bitsv);
-      const uint32_t hi = static_cast<uint32_t>(bitsv >> (4 * BITS));
-      const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 0u, BITS, 2u * BITS, 3u * BITS};
-      x = __builtin_convertvector(bitcast<v8i>((v8u{lo, lo, lo, lo, hi, hi, hi, hi} >> shifts) & ((1u << BITS) - 1u)), v8f);
-    }
+    const v8f x = unpack8<BITS>(r.w + (static_cast<unsigned>(d) >> 3) * BITS);
     return x * gp.scale + gp.bias;
   }
   static float load1(const Row&, int) { return 0.0f; }  // unused: quantized head dims are multiples of 32

@@ -30,11 +30,11 @@ static void qmm_columns(const QuantizedMatmulProblem& p, const QuantizedRows& a,
   using PB = PackedBlocks<BITS>;
   using S = typename SE::Storage;
   constexpr int block_bytes = QBLOCK * BITS / 8;
-  const int bpg = p.group_size / QBLOCK;
-  const int64_t row_bytes = static_cast<int64_t>(p.K) * BITS / 8;
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
-  const S* scales = static_cast<const S*>(p.scales);
-  const S* biases = static_cast<const S*>(p.biases);
+  const int bpg = p.W.group_size / QBLOCK;
+  const int64_t row_bytes = static_cast<int64_t>(p.W.K) * BITS / 8;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.W.w);
+  const S* scales = static_cast<const S*>(p.W.scales);
+  const S* biases = static_cast<const S*>(p.W.biases);
   const int8_t* xq[RR];
   const float* xd[RR];
   const float* xs[RR];
@@ -61,54 +61,53 @@ static void qmm_columns(const QuantizedMatmulProblem& p, const QuantizedRows& a,
       }
     }
     for (int r = 0; r < RR; ++r)
-      store_scalar(p.out, p.out_type, static_cast<int64_t>(r0 + r) * p.N + n, hsum(acc[r]) + bias_sum[r]);
+      store_scalar(p.out, p.out_type, static_cast<int64_t>(r0 + r) * p.W.N + n, hsum(acc[r]) + bias_sum[r]);
   }
 }
 
-// f(BitsC, SE) with the compile-time bits and scale element type of `p`: the one place the weight
-// formats are enumerated.
+// f(Bits<B>, SE) with the compile-time bits (among `bits`) and scale element type of W: the one place
+// the weight formats are enumerated.
 template <int B>
 struct Bits {
   static constexpr int value = B;
 };
-template <class F>
-static void with_weight_format(const QuantizedMatmulProblem& p, F&& f) {
+template <int... Bs, class F>
+static void with_weight_format(const PackedWeights& W, F&& f) {
   auto by_scale = [&](auto bits) {
-    switch (p.scale_type) {
+    switch (W.scale_type) {
       case ElemType::float32: f(bits, F32Elem{}); return;
       case ElemType::float16: f(bits, F16Elem{}); return;
       case ElemType::bfloat16: f(bits, BF16Elem{}); return;
       default: return;  // rejected by the op
     }
   };
-  if (p.bits == 4) by_scale(Bits<4>{});
-  if (p.bits == 8) by_scale(Bits<8>{});
+  ((W.bits == Bs ? by_scale(Bits<Bs>{}) : void()), ...);
 }
 
 static void run_quantized_matmul(const QuantizedMatmulProblem& p) {
-  const int K = p.K, blocks = K / QBLOCK, groups = K / p.group_size;
+  const int K = p.W.K, blocks = K / QBLOCK, groups = K / p.W.group_size;
   Scratch<int8_t> q(static_cast<int64_t>(p.M) * K);
   FloatBuffer d(static_cast<int64_t>(p.M) * blocks), gsum(static_cast<int64_t>(p.M) * groups), xf(K);
   for (int r = 0; r < p.M; ++r) {
     const int64_t base = static_cast<int64_t>(r) * K;
     for (int j = 0; j < K; ++j) xf.p[j] = load_scalar(p.x, p.x_type, base + j);
-    quantize_int8_blocks(xf.p, K, p.bits, q.p + base, d.p + static_cast<int64_t>(r) * blocks);
+    quantize_int8_blocks(xf.p, K, p.W.bits, q.p + base, d.p + static_cast<int64_t>(r) * blocks);
     for (int g = 0; g < groups; ++g) {
       v8f s = zeros8();
-      for (int j = g * p.group_size; j < (g + 1) * p.group_size; j += 8) s += load8(xf.p + j);
+      for (int j = g * p.W.group_size; j < (g + 1) * p.W.group_size; j += 8) s += load8(xf.p + j);
       gsum.p[static_cast<int64_t>(r) * groups + g] = hsum(s);
     }
   }
   const QuantizedRows rows{q.p, d.p, gsum.p, K, blocks, groups};
   constexpr int chunk = 32;  // output columns per task
-  const int tasks = (p.N + chunk - 1) / chunk;
-  const int64_t work = static_cast<int64_t>(p.M) * p.N * K;
+  const int tasks = (p.W.N + chunk - 1) / chunk;
+  const int64_t work = static_cast<int64_t>(p.M) * p.W.N * K;
   const int threads = work < (int64_t(1) << 17) ? 1 : p.threads;
-  with_weight_format(p, [&](auto bits, auto scale_elem) {
+  with_weight_format<4, 8>(p.W, [&](auto bits, auto scale_elem) {
     constexpr int BITS = decltype(bits)::value;
     using SE = decltype(scale_elem);
     auto task = [&](int t) {
-      const int n0 = t * chunk, n1 = imin(p.N, n0 + chunk);
+      const int n0 = t * chunk, n1 = imin(p.W.N, n0 + chunk);
       for (int r0 = 0; r0 < p.M; r0 += 4) {
         switch (imin(4, p.M - r0)) {
           case 4: qmm_columns<BITS, 4, SE>(p, rows, r0, n0, n1); break;
@@ -122,7 +121,42 @@ static void run_quantized_matmul(const QuantizedMatmulProblem& p) {
   });
 }
 
+static void run_dequantize(const DequantizeProblem& p) {
+  const PackedWeights& W = p.W;
+  constexpr int rows_per_task = 16;
+  const int tasks = (W.N + rows_per_task - 1) / rows_per_task;
+  const int threads = static_cast<int64_t>(W.N) * W.K < (int64_t(1) << 16) ? 1 : p.threads;
+  with_weight_format<2, 3, 4, 5, 6, 8>(W, [&](auto bits, auto scale_elem) {
+    constexpr int BITS = decltype(bits)::value;
+    using SE = decltype(scale_elem);
+    using S = typename SE::Storage;
+    const int groups = W.K / W.group_size;
+    const int64_t row_bytes = static_cast<int64_t>(W.K) * BITS / 8;
+    auto task = [&](int t) {
+      for (int n = t * rows_per_task; n < imin(W.N, (t + 1) * rows_per_task); ++n) {
+        const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * row_bytes;
+        const S* sr = static_cast<const S*>(W.scales) + static_cast<int64_t>(n) * groups;
+        const S* br = static_cast<const S*>(W.biases) + static_cast<int64_t>(n) * groups;
+        const int64_t out_row = static_cast<int64_t>(n) * W.K;
+        for (int g = 0; g < groups; ++g) {
+          const v8f s = splat(SE::load1(sr + g)), b = splat(SE::load1(br + g));
+          for (int j = g * W.group_size; j < (g + 1) * W.group_size; j += 8) {
+            const v8f v = unpack8<BITS>(wr + (j >> 3) * BITS) * s + b;
+            if (p.out_type == ElemType::float32) {
+              store8(static_cast<float*>(p.out) + out_row + j, v);
+            } else {
+              for (int i = 0; i < 8; ++i) store_scalar(p.out, p.out_type, out_row + j + i, v[i]);
+            }
+          }
+        }
+      }
+    };
+    run_parallel(tasks, threads, task);
+  });
+}
+
 static void quantized_matmul_cpu_entry(const QuantizedMatmulProblem& p) { run_quantized_matmul(p); }
+static void dequantize_cpu_entry(const DequantizeProblem& p) { run_dequantize(p); }
 
 }  // namespace MLX_H2O_ISA_NS
 }  // namespace mlx_h2o

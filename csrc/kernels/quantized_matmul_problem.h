@@ -8,19 +8,32 @@
 
 namespace mlx_h2o {
 
-/** W (N, K) in MLX's affine format (w = scale * q + bias per group of `group_size` columns; q packed
- *  little-endian, `bits` bits each, in uint32 words), x (M, K), y (M, N) = x @ W^T. Every array is
- *  row-contiguous. */
-struct QuantizedMatmulProblem {
-  int M = 0, K = 0, N = 0;
-  const void* x = nullptr;
-  ElemType x_type = ElemType::float32;
-  const uint32_t* w = nullptr;  // (N, K * bits / 32)
+/** W (N, K) in MLX's affine format: w = scale * q + bias per group of `group_size` columns, q packed
+ *  little-endian, `bits` bits each, in uint32 words. Every array row-contiguous. */
+struct PackedWeights {
+  int N = 0, K = 0;
+  const uint32_t* w = nullptr;   // (N, K * bits / 32)
   const void* scales = nullptr;  // (N, K / group_size)
   const void* biases = nullptr;  // (N, K / group_size)
   ElemType scale_type = ElemType::float32;
   int bits = 4, group_size = 32;
-  void* out = nullptr;  // (M, N)
+};
+
+/** y (M, N) = x (M, K) @ W^T, both row-contiguous. */
+struct QuantizedMatmulProblem {
+  PackedWeights W;
+  int M = 0;
+  const void* x = nullptr;
+  ElemType x_type = ElemType::float32;
+  void* out = nullptr;
+  ElemType out_type = ElemType::float32;
+  int threads = 1;
+};
+
+/** out (N, K) row-contiguous = W dequantized (bits 2-8, groups 32/64/128). */
+struct DequantizeProblem {
+  PackedWeights W;
+  void* out = nullptr;
   ElemType out_type = ElemType::float32;
   int threads = 1;
 };
@@ -33,5 +46,8 @@ constexpr int QMM_MAX_ROWS = 8;
  *  products against the packed weights, one float scale per (weight group, activation block) and the
  *  bias term from the exact per-group sums of x. Threads split the output columns. */
 void quantized_matmul_cpu(const QuantizedMatmulProblem& p);
+
+/** W as floats, vectorized and threaded over rows: what feeds the GEMM for long x (prefill). */
+void dequantize_cpu(const DequantizeProblem& p);
 
 }  // namespace mlx_h2o
