@@ -24,6 +24,9 @@ from . import _ext
 
 KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
+# Rows of x up to which the layers take the integer-dot kernel (decode, small batches); longer inputs
+# dequantize + GEMM. A module setting so that a test can push whole prompts through the kernel.
+KERNEL_MAX_ROWS = 8
 
 
 def quantized_matmul(
@@ -63,7 +66,7 @@ def _kernel_handles(layer) -> bool:
 def _linear_call(self, x):
     if not _kernel_handles(self):
         return _stock["QuantizedLinear.__call__"](self, x)
-    y = _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, -1, None)
+    y = _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, KERNEL_MAX_ROWS, None)
     if "bias" in self:
         y = y + self["bias"]
     return y
@@ -72,7 +75,7 @@ def _linear_call(self, x):
 def _embedding_as_linear(self, x):
     if not _kernel_handles(self):
         return _stock["QuantizedEmbedding.as_linear"](self, x)
-    return _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, -1, None)
+    return _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, KERNEL_MAX_ROWS, None)
 
 
 _stock = {
