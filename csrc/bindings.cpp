@@ -11,6 +11,7 @@
 
 #include "attention_with_scores.h"
 #include "kernels/isa.h"
+#include "norm_rope.h"
 #include "parallel.h"
 #include "quantized_matmul.h"
 #include "uninitialized.h"
@@ -86,4 +87,8 @@ NB_MODULE(_ext, m) {
         "group_size"_a, "bits"_a, "stream"_a = nb::none(), "Dequantize + matmul: the definition of quantized_matmul.");
   m.def("dequantize_affine", &mlx_h2o::dequantize_affine, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "dtype"_a, "stream"_a = nb::none(), "Packed affine weights as a dense array (one vectorized pass on the CPU).");
+  m.def("rms_norm", &mlx_h2o::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, "stream"_a = nb::none(),
+        "mx.fast.rms_norm as one CPU kernel (Python API: mlx_h2o.rms_norm).");
+  m.def("rope", &mlx_h2o::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
+        "stream"_a = nb::none(), "mx.fast.rope with an integer offset as one CPU kernel (Python API: mlx_h2o.rope).");
 }

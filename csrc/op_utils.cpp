@@ -54,4 +54,18 @@ mx::array contiguous_copy(const mx::array& a, mx::cpu::CommandEncoder& enc) {
   return out;
 }
 
+std::vector<mx::array> prepare_contiguous(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                                          mx::cpu::CommandEncoder& enc) {
+  std::vector<mx::array> in = inputs;
+  for (auto& a : in) {
+    if (!a.flags().row_contiguous) a = contiguous_copy(a, enc);
+    enc.set_input_array(a);
+  }
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    enc.set_output_array(o);
+  }
+  return in;
+}
+
 }  // namespace mlx_h2o

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -30,5 +31,10 @@ bool needs_copy(const mx::array& a);
 /** A row-contiguous copy of `a`, made inside the stream's queue (the source is only valid once
  *  earlier tasks ran) and kept alive by the encoder. */
 mx::array contiguous_copy(const mx::array& a, mx::cpu::CommandEncoder& enc);
+
+/** For kernels that read every input as row-contiguous: copies the inputs that are not (rare),
+ *  registers all with the encoder, allocates the outputs; returns the inputs to read. */
+std::vector<mx::array> prepare_contiguous(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                                          mx::cpu::CommandEncoder& enc);
 
 }  // namespace mlx_h2o

@@ -59,22 +59,6 @@ PackedWeights packed_weights(const mx::array& w, const mx::array& sc, const mx::
   return W;
 }
 
-// The kernels read every input as row-contiguous: copies the others (rare), registers all with the
-// encoder, and allocates the outputs.
-std::vector<mx::array> prepare(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
-                               mx::cpu::CommandEncoder& enc) {
-  std::vector<mx::array> in = inputs;
-  for (auto& a : in) {
-    if (!a.flags().row_contiguous) a = contiguous_copy(a, enc);
-    enc.set_input_array(a);
-  }
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    enc.set_output_array(o);
-  }
-  return in;
-}
-
 }  // namespace
 
 mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
@@ -118,7 +102,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  const auto in = prepare(inputs, outputs, enc);
+  const auto in = prepare_contiguous(inputs, outputs, enc);
   QuantizedMatmulProblem p;
   p.W = packed_weights(in[1], in[2], in[3], group_size_, bits_);
   p.M = static_cast<int>(in[0].size() / p.W.K);
@@ -155,7 +139,7 @@ namespace mlx_h2o {
 
 void DequantizeAffine::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  const auto in = prepare(inputs, outputs, enc);
+  const auto in = prepare_contiguous(inputs, outputs, enc);
   DequantizeProblem p;
   p.W = packed_weights(in[0], in[1], in[2], group_size_, bits_);
   p.out = outputs[0].data<void>();

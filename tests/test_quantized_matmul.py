@@ -16,7 +16,7 @@ from test_quantized_attention import numpy_dequantize
 
 import mlx_h2o
 from mlx_h2o import _ext, quantized_matmul
-from mlx_h2o import quantized_linear as qmm_module
+from mlx_h2o import cpu_layers
 from tiny_models import tiny_model
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -151,19 +151,19 @@ def test_quantized_linear_and_tied_embedding_use_the_kernel(monkeypatch):
     real = _ext.quantized_matmul
     monkeypatch.setattr(_ext, "quantized_matmul", lambda *a: calls.append(a[-3]) or real(*a))
     x = mx.array([[3, 17, 99]])
-    assert qmm_module.fast_quantized_matmul_enabled()
+    assert cpu_layers.cpu_layer_kernels_enabled()
     ours = model(x[:, :1])
     n_linear = sum(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     assert len(calls) == n_linear + 1  # + the tied lm_head (QuantizedEmbedding.as_linear)
     try:
-        mlx_h2o.use_fast_quantized_matmul(False)
+        mlx_h2o.use_cpu_layer_kernels(False)
         calls.clear()
         stock = model(x[:, :1])
         assert not calls
     finally:
-        mlx_h2o.use_fast_quantized_matmul(True)
+        mlx_h2o.use_cpu_layer_kernels(True)
     np.testing.assert_allclose(np.array(ours), np.array(stock), atol=0.05 * np.abs(np.array(stock)).max())
-    assert qmm_module.fast_quantized_matmul_enabled()
+    assert cpu_layers.cpu_layer_kernels_enabled()
 
 
 def test_lora_style_gradient_with_the_kernel_on():
@@ -179,11 +179,11 @@ def test_lora_style_gradient_with_the_kernel_on():
         return m(tokens[:, :1])[0, -1, tokens[0, 1]]
 
     ours = nn.value_and_grad(model, loss)(model)[1]
-    mlx_h2o.use_fast_quantized_matmul(False)
+    mlx_h2o.use_cpu_layer_kernels(False)
     try:
         stock = nn.value_and_grad(model, loss)(model)[1]
     finally:
-        mlx_h2o.use_fast_quantized_matmul(True)
+        mlx_h2o.use_cpu_layer_kernels(True)
     for (_, a), (_, b) in zip(tree_flatten(ours), tree_flatten(stock)):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=0.1, atol=0.05 * np.abs(np.array(b)).max())
 
@@ -216,7 +216,7 @@ def test_int8_activations_cost_at_most_half_a_percent_of_perplexity(smollm, lice
     monkeypatch.setattr(_ext, "quantized_matmul", lambda *a: calls.append(a[-2]) or real(*a))
     ppl = {}
     for max_rows in (1 << 20, 0):  # every row through the kernel; none
-        monkeypatch.setattr(qmm_module, "KERNEL_MAX_ROWS", max_rows)
+        monkeypatch.setattr(cpu_layers, "KERNEL_MAX_ROWS", max_rows)
         ppl[max_rows] = float(np.exp(teacher_forced_nll(model, tokens).mean()))
     assert sorted(set(calls)) == [0, 1 << 20]
     assert abs(ppl[1 << 20] / ppl[0] - 1) <= 0.005, ppl

@@ -7,18 +7,8 @@
 
 namespace mlx_h2o {
 
-void quantized_matmul_cpu(const QuantizedMatmulProblem& p) {
-#if defined(MLX_H2O_HAVE_AVX2_VARIANT)
-  if (kernel_isa() == KernelIsa::avx2) return avx2::quantized_matmul_cpu_entry(p);
-#endif
-  portable::quantized_matmul_cpu_entry(p);
-}
+void quantized_matmul_cpu(const QuantizedMatmulProblem& p) { MLX_H2O_DISPATCH(quantized_matmul_cpu_entry, p); }
 
-void dequantize_cpu(const DequantizeProblem& p) {
-#if defined(MLX_H2O_HAVE_AVX2_VARIANT)
-  if (kernel_isa() == KernelIsa::avx2) return avx2::dequantize_cpu_entry(p);
-#endif
-  portable::dequantize_cpu_entry(p);
-}
+void dequantize_cpu(const DequantizeProblem& p) { MLX_H2O_DISPATCH(dequantize_cpu_entry, p); }
 
 }  // namespace mlx_h2o

@@ -23,10 +23,10 @@ from .attention import (  # noqa: E402
 from .caches import POLICIES, make_cache  # noqa: E402
 from .hook import use_fast_cpu_attention  # noqa: E402
 from .loading import load  # noqa: E402
-from .quantized_linear import quantized_matmul, use_fast_quantized_matmul  # noqa: E402
-from .quantized_linear import _enable_by_default as _enable_quantized_matmul  # noqa: E402
+from .cpu_layers import quantized_matmul, rms_norm, rope, use_cpu_layer_kernels  # noqa: E402
+from .cpu_layers import _enable_by_default as _enable_cpu_layer_kernels  # noqa: E402
 
-_enable_quantized_matmul()  # QuantizedLinear on CPU streams -> the integer-dot kernel (opt out: see quantized_linear.py)
+_enable_cpu_layer_kernels()  # nn.QuantizedLinear / RMSNorm / RoPE on CPU streams -> our kernels (opt out: cpu_layers.py)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -38,7 +38,9 @@ __all__ = [
     "POLICIES",
     "quantized_matmul",
     "quantized_scaled_dot_product_attention_with_scores",
+    "rms_norm",
+    "rope",
     "scaled_dot_product_attention_with_scores",
+    "use_cpu_layer_kernels",
     "use_fast_cpu_attention",
-    "use_fast_quantized_matmul",
 ]
