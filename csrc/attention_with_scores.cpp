@@ -1,6 +1,8 @@
 #include "attention_with_scores.h"
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -159,6 +161,19 @@ KVSource read_source(const std::vector<mx::array>& in, size_t& i, int bits, int 
 
 }  // namespace
 
+namespace {
+std::atomic<bool>& int8_setting() {
+  static std::atomic<bool> enabled{[] {
+    const char* env = std::getenv("MLX_H2O_ATTENTION_INT8");
+    return !(env && env[0] == '0');
+  }()};
+  return enabled;
+}
+}  // namespace
+
+bool attention_int8_queries() { return int8_setting().load(); }
+void set_attention_int8_queries(bool enabled) { int8_setting().store(enabled); }
+
 std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const std::vector<SegmentInput>& segments,
                                                       float scale, const std::string& mask_mode,
                                                       const std::optional<mx::array>& mask, const std::string& scores,
@@ -239,7 +254,8 @@ std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vect
   }
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
-      std::make_shared<AttentionWithScores>(stream, scale, c.mask_kind, c.score_mode, sinks.has_value(), std::move(formats)),
+      std::make_shared<AttentionWithScores>(stream, scale, c.mask_kind, c.score_mode, sinks.has_value(), std::move(formats),
+                                            attention_int8_queries()),
       inputs);
 }
 
@@ -288,6 +304,7 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   p.score_mode = score_mode_;
   p.scores = score_mode_ == ScoreMode::none ? nullptr : outputs[1].data<float>();
   p.threads = kernel_threads();
+  p.int8_queries = int8_queries_;
   for (auto& a : in) enc.set_input_array(a);
   for (auto& o : outputs) enc.set_output_array(o);
   enc.dispatch([p]() { attention_cpu(p); });
@@ -322,7 +339,7 @@ void AttentionWithScores::eval_gpu(const std::vector<mx::array>&, std::vector<mx
 bool AttentionWithScores::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const AttentionWithScores&>(other);
   return scale_ == o.scale_ && mask_kind_ == o.mask_kind_ && score_mode_ == o.score_mode_ &&
-         has_sinks_ == o.has_sinks_ && formats_ == o.formats_;
+         has_sinks_ == o.has_sinks_ && formats_ == o.formats_ && int8_queries_ == o.int8_queries_;
 }
 
 std::vector<mx::Shape> AttentionWithScores::output_shapes(const std::vector<mx::array>& inputs) {

@@ -56,6 +56,11 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const 
                                                       const std::optional<mx::array>& mask, const std::string& scores,
                                                       const std::optional<mx::array>& sinks, mx::StreamOrDevice s = {});
 
+/** Whether new attention ops round the queries to int8 for packed 4-/8-bit keys (integer Q K^T; the
+ *  default, MLX_H2O_ATTENTION_INT8=0 turns it off) or keep them float32. Read when an op is built. */
+bool attention_int8_queries();
+void set_attention_int8_queries(bool enabled);
+
 struct SegmentFormat {
   int k_bits = 0, k_group_size = 0, v_bits = 0, v_group_size = 0;  // bits 0: dense
   bool operator==(const SegmentFormat& o) const {
@@ -66,13 +71,14 @@ struct SegmentFormat {
 class AttentionWithScores : public ComposedPrimitive {
  public:
   AttentionWithScores(mx::Stream stream, float scale, MaskKind mask_kind, ScoreMode score_mode, bool has_sinks,
-                      std::vector<SegmentFormat> formats)
+                      std::vector<SegmentFormat> formats, bool int8_queries)
       : ComposedPrimitive(stream),
         scale_(scale),
         mask_kind_(mask_kind),
         score_mode_(score_mode),
         has_sinks_(has_sinks),
-        formats_(std::move(formats)) {}
+        formats_(std::move(formats)),
+        int8_queries_(int8_queries) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -90,6 +96,7 @@ class AttentionWithScores : public ComposedPrimitive {
   ScoreMode score_mode_;
   bool has_sinks_;
   std::vector<SegmentFormat> formats_;
+  bool int8_queries_;
 };
 
 }  // namespace mlx_h2o

@@ -48,6 +48,9 @@ struct AttentionProblem {
   ScoreMode score_mode = ScoreMode::none;
   float* scores = nullptr;  // mass: (B, Hkv, N); logits: (B, Hq, L, N); contiguous float32
   int threads = 1;
+  // Q K^T against packed 4-/8-bit keys in integer arithmetic: each query row rounded to int8 per 32
+  // values (as quantized_matmul does with activations); off: queries stay float32.
+  bool int8_queries = true;
 };
 
 /** Runs the fused kernel for the best instruction set this CPU supports. */

@@ -38,6 +38,8 @@ struct DenseLoader {
 // exactly BITS bytes of the row's little-endian bit stream, so any 8-aligned chunk is one small load.
 template <int BITS, class ScaleElem>
 struct QuantLoader {
+  static constexpr int bits = BITS;
+  using Scale = ScaleElem;
   using S = typename ScaleElem::Storage;
   struct Row {
     const uint8_t* w;
@@ -73,6 +75,11 @@ struct QuantLoader {
     const int g = d >> group_shift;
     return Group{splat(ScaleElem::load1(r.scale + g)), splat(ScaleElem::load1(r.bias + g))};
   }
+  // The stored integers of 8 columns as floats (value = scale * raw + bias), and the group's scalars:
+  // P V factors the scale and bias out of its sum over keys.
+  static v8f load_raw(const Row& r, int d) { return unpack8<BITS>(r.w + (static_cast<unsigned>(d) >> 3) * BITS); }
+  float scale_of(const Row& r, int d) const { return ScaleElem::load1(r.scale + (d >> group_shift)); }
+  float bias_of(const Row& r, int d) const { return ScaleElem::load1(r.bias + (d >> group_shift)); }
   static v8f load(const Row& r, const Group& gp, int d) {
     const v8f x = unpack8<BITS>(r.w + (static_cast<unsigned>(d) >> 3) * BITS);
     return x * gp.scale + gp.bias;
