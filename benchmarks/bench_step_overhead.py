@@ -1,9 +1,11 @@
 """Where a decode step's time goes: Python graph building, the linear layers (matmuls), attention,
 and everything else MLX evaluates (norms, RoPE, residual adds, cache writes, sampling, op dispatch).
 
-    python benchmarks/bench_step_overhead.py [--context 512] [--steps 30] [--weights quantized float32]
+    python benchmarks/bench_step_overhead.py [--context 512] [--steps 30] [--modes quantized quantized:stock float32:stock]
 
-For each weight mode: prefill --context tokens into a full cache (fused attention on), then run
+A mode is a weight format of the embedded model (quantized, float32, ...), with ":stock" for MLX's own
+layers (mlx_h2o.use_cpu_layer_kernels(False): MLX's quantized_matmul, rms_norm and rope fallbacks)
+instead of the extension's kernels. For each mode: prefill --context tokens into a full cache (fused attention on), then run
 greedy decode steps in four variants, alternating step by step on the same model and cache: as is;
 with every linear layer (incl. the lm_head) replaced by a zeros array of its output shape; with the
 attention replaced likewise; with both. The differences are each part's in-place cost (kernel + its
@@ -79,22 +81,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--weights", nargs="+", default=["quantized", "float32"])
+    ap.add_argument("--modes", nargs="+", default=["quantized", "quantized:stock", "float32:stock"])
     args = ap.parse_args()
     mlx_h2o.use_fast_cpu_attention(True)
     runs = {}
     tokens = None
-    for mode in args.weights:
-        model, tokenizer = mlx_h2o.load(weights=mode)
+    for mode in args.modes:
+        weights, _, layers = mode.partition(":")
+        mlx_h2o.use_cpu_layer_kernels(layers != "stock")
+        model, tokenizer = mlx_h2o.load(weights=weights)
         if tokens is None:
             tokens = token_samples(tokenizer, load_corpus(), 1, args.context, seed=1)[0][1]
         cache = mlx_h2o.make_cache(model, "full")
         for i in range(0, len(tokens), 512):
             mx.eval(model(mx.array(tokens[i : i + 512])[None], cache=cache))
         y = mx.array(tokens[-1:])[None]
-        runs[mode] = dict(model=model, cache=cache, y=y, times={v: ([], []) for v in VARIANTS})
+        runs[mode] = dict(model=model, cache=cache, y=y, times={v: ([], []) for v in VARIANTS}, kernels=layers != "stock")
     for step in range(args.steps + 2):
         for mode, r in runs.items():
+            mlx_h2o.use_cpu_layer_kernels(r["kernels"])
             for variant, (no_linears, no_attention) in VARIANTS.items():
                 with Replaced(no_linears, no_attention):
                     t0 = time.perf_counter()
@@ -114,12 +119,13 @@ def main():
         linears = total - sum(ms["no linears"])
         attention = total - sum(ms["no attention"])
         build, other = ms["neither"]
+        mlx_h2o.use_cpu_layer_kernels(r["kernels"])
         counts = primitive_counts(r["model"], r["cache"], r["y"])
         top = ", ".join(f"{k} {n}" for k, n in counts.most_common(8))
         rows.append([mode, f"{total:.1f}", f"{1e3 / total:.1f}", f"{linears:.1f}", f"{attention:.1f}", f"{build:.1f}",
                      f"{other:.1f}", f"{100 * (build + other) / total:.0f}%", f"{sum(counts.values())} ({top})"])
     print(f"context {args.context}, {args.steps} steps per variant; uptime: {os.popen('uptime').read().strip()}")
-    print(markdown_table(["weights", "step ms", "tok/s", "linears ms", "attention ms", "python build ms",
+    print(markdown_table(["mode", "step ms", "tok/s", "linears ms", "attention ms", "python build ms",
                           "other eval ms", "overhead share", "primitives per step (most common)"], rows))
 
 

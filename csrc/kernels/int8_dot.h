@@ -90,13 +90,6 @@ static inline U4Block load_u4_block(const uint8_t* p) {
   }
   return b;
 }
-static inline v8i dot_block(const U4Block& b, const int8_t* xq) {
-  v8i s = {};
-  for (int i = 0; i < QBLOCK; i += 8)
-    for (int j = 0; j < 8; ++j) s[j] += static_cast<int32_t>(b.w[i + j]) * xq[i + j];
-  return s;
-}
-
 struct S8Block {
   int8_t w[QBLOCK];
 };
@@ -105,7 +98,9 @@ static inline S8Block load_s8_block(const uint8_t* p) {
   for (int i = 0; i < QBLOCK; ++i) b.w[i] = static_cast<int8_t>(p[i] - 128);
   return b;
 }
-static inline v8i dot_block(const S8Block& b, const int8_t* xq) {
+// Either block: 8 partial sums of w . xq.
+template <class Block>
+static inline v8i dot_block(const Block& b, const int8_t* xq) {
   v8i s = {};
   for (int i = 0; i < QBLOCK; i += 8)
     for (int j = 0; j < 8; ++j) s[j] += static_cast<int32_t>(b.w[i + j]) * xq[i + j];
