@@ -4,9 +4,12 @@
    tokens (what the attention of a bounded cache costs, eviction and scoring included);
 2. eviction overhead vs slack: h2o(M) evicting every 1, 4, 16, ... tokens vs the same cache holding
    about M entries without evicting (the step cost is then attention + scoring only);
-3. a long prompt prefilled in chunks: the most entries any layer ever held (bound: M + chunk).
+3. a long prompt prefilled in chunks: the most entries any layer ever held (bound: M + chunk);
+4. a decode soak (--soak N): N tokens decoded one at a time through h2o(M) and through the full
+   cache on a small random llama, entries held and process RSS every N/16 steps.
 
     python benchmarks/bench_h2o.py [--context 8192] [--budget 512] [--slack 1 4 16 64] [--long-prompt 32768]
+    python benchmarks/bench_h2o.py --parts 4 --soak 16384 --budget 256
 
 Step times are medians over interleaved rounds (other work on the machine shifts them all alike).
 """
@@ -22,6 +25,7 @@ from tqdm.auto import tqdm
 
 from mlx_h2o.caches.h2o import H2OKVCache
 from mlx_h2o.evaluation import decode_benchmark, decode_step_times, load_corpus, token_samples
+from mlx_h2o.evaluation.memory import _current_rss_bytes
 from mlx_h2o.evaluation.report import markdown_table
 
 
@@ -89,6 +93,31 @@ def long_prompt(model, tokens, budget, n, chunk, score):
     )
 
 
+def soak(budget, steps):
+    """Entries held and process RSS while decoding `steps` tokens: h2o(M) vs the full cache, on a
+    small random llama (4 layers, 2 kv heads x 64; the cache, not the model, is what is measured)."""
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512))
+    mx.eval(model.parameters())
+    every = max(steps // 16, 1)
+    rows = []
+    for label, policy, opts in [(f"h2o(M={budget})", "h2o", {"max_kv_size": budget}), ("full", "full", {})]:
+        cache = mlx_h2o.make_cache(model, policy, **opts)
+        y = mx.array([[1]])
+        rss0 = _current_rss_bytes()
+        for i in tqdm(range(1, steps + 1), desc=f"soak {label}", leave=False):
+            y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+            if i % every == 0:
+                mx.eval(y)
+                held = max(c.size() for c in cache)
+                rows.append([label, i, held, f"{(_current_rss_bytes() - rss0) / 2**20:+.1f}", f"{mx.get_active_memory() / 2**20:.1f}"])
+        del cache
+    return markdown_table(["cache", "tokens decoded", "entries held (max layer)", "RSS growth MB", "MLX active MB"], rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=8192)
@@ -101,10 +130,13 @@ def main():
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--score", default=None, help="h2o scoring rule (default: the policy's)")
     ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--soak", type=int, default=16384, help="decode steps of part 4")
     args = ap.parse_args()
-    from mlx_h2o.caches.h2o import DEFAULT_SCORE
-
-    score = args.score or DEFAULT_SCORE
+    if args.parts == [4]:
+        print(f"\n## Decode soak: {args.soak} tokens\n")
+        print(soak(args.budget, args.soak))
+        return
+    score = args.score or mlx_h2o.POLICIES["h2o"].option("score").default
     print(f"BLAS: {mlx_h2o.blas_backend()}; h2o score={score}")
     model, tokenizer = mlx_h2o.load()
     tokens = token_samples(tokenizer, load_corpus(), 1, max(args.context, 2 * args.slack_budget) + 512)[0][1]
@@ -117,6 +149,9 @@ def main():
     if 3 in args.parts and args.long_prompt:
         print("\n## Long prompt, chunked prefill\n")
         print(long_prompt(model, tokens, args.budget, args.long_prompt, args.chunk, score))
+    if 4 in args.parts:
+        print(f"\n## Decode soak: {args.soak} tokens\n")
+        print(soak(args.budget, args.soak))
 
 
 if __name__ == "__main__":

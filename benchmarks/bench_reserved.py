@@ -38,7 +38,7 @@ import numpy as np
 from mlx_lm.models import cache as lm_cache
 from tqdm import tqdm
 
-from mlx_h2o.buffers import ReservedBuffer
+from mlx_h2o.storage import ReservedBuffer
 from mlx_h2o.caches.reserved import ReservedKVCache
 from mlx_h2o.evaluation import load_corpus, memory_snapshot, resident_bytes, token_samples
 from mlx_h2o.evaluation.report import markdown_table, write_json

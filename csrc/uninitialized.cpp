@@ -47,6 +47,22 @@ size_t discard_whole_pages(char* begin, char* end) {
 #endif
 }
 
+// Keep [begin, end) in small pages: a transparent huge page commits 2 MiB at the first write into
+// it, which defeats committing page by page. The range may inherit MADV_HUGEPAGE from an earlier
+// user of the same heap memory (NumPy marks its large buffers so), which made a reservation commit
+// a whole huge page after a few rows were written. Best effort: kernels without THP say EINVAL.
+void avoid_huge_pages(char* begin, char* end) {
+#if MLX_H2O_CAN_RELEASE_PAGES
+  const size_t page = page_size();
+  uintptr_t first = round_up(reinterpret_cast<uintptr_t>(begin), page);
+  uintptr_t last = round_down(reinterpret_cast<uintptr_t>(end), page);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_NOHUGEPAGE);
+#else
+  (void)begin;
+  (void)end;
+#endif
+}
+
 }  // namespace
 
 size_t page_size() {
@@ -90,6 +106,7 @@ void Uninitialized::eval_cpu(const std::vector<mx::array>&, mx::array& out) {
   // The allocator may recycle a buffer (its cache, or a reused heap chunk) whose pages are
   // already committed: give them back so untouched pages cost nothing, whatever it handed out.
   discard_whole_pages(raw, raw + nbytes + page);
+  avoid_huge_pages(raw, raw + nbytes + page);
   const size_t offset_bytes = round_up(reinterpret_cast<uintptr_t>(raw), page) -
       reinterpret_cast<uintptr_t>(raw);
   out.set_data(std::move(data));

@@ -14,6 +14,7 @@ from tiny_models import CONFIGS, tiny_model
 import mlx_h2o
 from mlx_h2o import hook
 from mlx_h2o.caches.h2o import H2OConfig, H2OKVCache
+from mlx_h2o.caches.h2o.eviction import keep_count
 
 VOCAB = CONFIGS["llama"]["vocab_size"]
 
@@ -242,7 +243,8 @@ def test_seed_offset_reset_bug_cannot_happen():
     assert _lockstep(model, x, cache) < 1e-4
     for c in cache:
         assert c.offset == 100 and c.size() == 24  # logical position vs physical length
-        assert c.make_mask(4, return_array=True).shape == (4, c._planned_length(4) + 4)
+        planned = keep_count(c.config, c.length, c.offset, 4)
+        assert c.make_mask(4, return_array=True).shape == (4, (c.length if planned is None else planned) + 4)
     # The same check catches the seed's bug: its offset falls back to the physical length.
     buggy = [SeedOffsetBug(cfg) for _ in model.layers]
     assert _lockstep(model, x, buggy) > 1e-2
@@ -349,11 +351,11 @@ def test_reset_trim_and_hook():
     run = next(k for k in range(1, 14) if not (pos[..., -k:] == np.arange(57 - k, 57)).all()) - 1
     assert c0.trim(100) == run and c0.offset == 57 - run and c0.length == 13 - run
     # With the hook removed the model never reaches attend(): the cache says so and falls back.
+    fallback = [H2OKVCache(H2OConfig.build(16)) for _ in model.layers]
     hook.remove()
     try:
         cache = mlx_h2o.make_cache(model, "rotating", max_kv_size=16)
         assert not hook.installed()  # other policies do not install it
-        fallback = [H2OKVCache(H2OConfig.build(16)) for _ in model.layers]
         with pytest.warns(RuntimeWarning, match="no attention scores"):
             _step_logits(model, x, fallback)
         assert all(c.scoreless for c in fallback)
@@ -386,31 +388,63 @@ def test_save_load_round_trip_reproduces_generation(tmp_path):
     np.testing.assert_array_equal(_greedy_logits(model, loaded, last, 30), _greedy_logits(model, cache, last, 30))
 
 
-def test_mlx_lm_batch_generator_gets_a_clear_error():
+def _generate_alone(model, prompt, steps, **options):
+    cache = mlx_h2o.make_cache(model, "h2o", **options)
+    out = []
+    for y, _ in generate_step(mx.array(prompt), model, max_tokens=steps, prompt_cache=cache):
+        out.append(int(y))
+    return out
+
+
+def test_batch_generator_equals_each_sequence_alone():
+    """mlx-lm's BatchGenerator (continuous batching, as batch_generate and the server use it):
+    prompts of different lengths (right-padded together), sequences that finish early (filter)
+    and join late (extend); each sequence's tokens equal its own generation, and the finished
+    sequences' caches (extract) held at most the budget."""
+    from mlx_lm.generate import BatchGenerator
+
     model = tiny_model("llama")
-    caches = [mlx_h2o.make_cache(model, "h2o", max_kv_size=16) for _ in range(2)]
-    with pytest.raises(ValueError, match="BatchGenerator"):
-        H2OKVCache.merge([c[0] for c in caches])
+    M = 24
+    prompts = [np.random.default_rng(20 + i).integers(0, VOCAB, n).tolist() for i, n in enumerate((40, 9, 70, 33))]
+    steps = [30, 12, 25, 40]
+    want = [_generate_alone(model, p, n, max_kv_size=M, evict_every=3) for p, n in zip(prompts, steps)]
+    gen = BatchGenerator(model, stop_tokens=[], prefill_batch_size=3, completion_batch_size=3)
+    caches = [mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=3) for _ in prompts]
+    uids = gen.insert(prompts[:3], steps[:3], caches=caches[:3])
+    got, finished, late = {u: [] for u in uids}, {}, None
+    while len(finished) < len(prompts):
+        for r in gen.next_generated():
+            got.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                finished[r.uid] = r.prompt_cache
+        if late is None and finished:  # a fourth request joins while the others decode
+            late = gen.insert(prompts[3:], steps[3:], caches=caches[3:])[0]
+    gen.close()
+    assert [got[u] for u in uids + [late]] == want
+    for cache in finished.values():
+        assert all(isinstance(c, H2OKVCache) and c.size() <= min(M + 2, c.offset) for c in cache)
+    assert sorted(max(c.offset for c in cache) for cache in finished.values()) == sorted(len(p) + n for p, n in zip(prompts, steps))
 
 
 @pytest.mark.parametrize(
     "options, match",
     [
-        (dict(split="wide"), r"split must be one of \['heavy', 'balanced', 'recent', 'explicit'\]"),
-        (dict(score="lru"), r"score must be one of \['cumulative', 'ema', 'logit_ema', 'normalised'\]"),
-        (dict(select="token"), r"select must be one of \['head', 'layer'\]"),
-        (dict(evict_every=0), r"evict_every must be an integer in \[1, 60\]"),
+        (dict(split="wide"), r"split must be one of 'heavy', 'balanced', 'recent', 'explicit', got 'wide'"),
+        (dict(score="lru"), r"score must be one of 'cumulative', 'ema', 'logit_ema', 'normalised'"),
+        (dict(select="token"), r"select must be one of 'head', 'layer'"),
+        (dict(evict_every=0), r"evict_every must be an integer >= 1"),
+        (dict(evict_every=61), r"evict_every must be an integer in \[1, 60\]"),
         (dict(sink=64), r"sink must be an integer in \[0, 63\]"),
         (dict(split="explicit", heavy=10), "split='explicit' needs heavy and recent"),
         (dict(split="explicit", heavy=10, recent=10), "sink \\+ heavy \\+ recent must equal max_kv_size=64"),
         (dict(heavy=10), "give split='explicit'"),
         (dict(score="cumulative", decay=0.9), "decay applies to score in"),
-        (dict(score="ema", decay=1.5), r"decay must be a number in \[0, 1\)"),
+        (dict(score="ema", decay=1.5), r"decay must be a number in \[0.0, 1.0\)"),
         (dict(pin=[(5, 2)]), "pin must be"),
         (dict(pin="a:b"), "pin must be START:END"),
         (dict(obs_window=-1), "obs_window must be"),
         (dict(pool=0), r"pool must be an integer >= 1"),
-        (dict(budget=3), r"unknown h2o options \['budget'\]; allowed: \["),
+        (dict(budget=3), r"unknown option\(s\) budget for policy 'h2o'; its options: max_kv_size, split"),
         (dict(max_kv_size=0), "max_kv_size must be an integer >= 1"),
     ],
 )
@@ -541,13 +575,14 @@ def test_low_bit_rows_are_the_kept_positions_quantized(kv_bits, rotate):
     c = cache[0]
     assert c.evictions > 10 and c.offset == 120
     K, V = _layer0_full_kv(model, x)
+    store = c.store.inner if rotate else c.store
     if rotate:  # rows rotated in the calls they arrived in (prefill 8, then one by one)
         chunks = [(0, 8)] + [(i, i + 1) for i in range(8, 120)]
-        K = mx.concatenate([c.rotation.keys(K[:, :, a:b]) for a, b in chunks], axis=2)
-        V = mx.concatenate([c.rotation.values(V[:, :, a:b]) for a, b in chunks], axis=2)
+        rotation = c.store.rotation
+        K = mx.concatenate([rotation.keys(K[:, :, a:b]) for a, b in chunks], axis=2)
+        V = mx.concatenate([rotation.values(V[:, :, a:b]) for a, b in chunks], axis=2)
     low, high = c.config.tiers()
     pos = c.positions[..., : c.length]
-    store = c.store
     if low == high:
         parts = [(store, pos, None)]
     else:
@@ -612,11 +647,11 @@ def test_low_bit_caches_save_load_and_trim(tmp_path):
 @pytest.mark.parametrize(
     "options, match",
     [
-        (dict(kv_bits=5), r"kv_bits must be None, 8, 4, 'mixed'"),
-        (dict(kv_bits="4/2"), r"kv_bits must be None, 8, 4, 'mixed'"),
-        (dict(kv_group_size=48), r"kv_group_size must be one of \(32, 64, 128\)"),
+        (dict(kv_bits=5), r"kv_bits must be one of '8', '4', '8/4', '4/8', '8/fp', '4/fp', 'mixed'"),
+        (dict(kv_bits="4/2"), r"kv_bits must be one of '8', '4'"),
+        (dict(kv_group_size=48), r"kv_group_size must be one of 32, 64, 128"),
         (dict(rotate="yes"), "rotate must be True or False"),
-        (dict(rotate=True, rotate_lam="calibrated"), r"rotate_lam must be one of \['none', 'prefill'\]"),
+        (dict(rotate=True, rotate_lam="calibrated"), r"rotate_lam must be one of 'none', 'prefill'"),
     ],
 )
 def test_bad_low_bit_options_raise_value_error(options, match):
@@ -629,3 +664,18 @@ def test_low_bit_rows_need_head_dim_divisible_by_group():
     cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=16, kv_bits=4, kv_group_size=32)
     with pytest.raises(ValueError, match="kv_group_size"):
         model(_tokens(8, batch=1), cache=cache)
+
+
+def test_16k_decode_soak_holds_a_bounded_number_of_entries():
+    """16,384 tokens decoded one at a time through h2o(M=256): the entries held never pass the
+    budget (benchmarks/bench_h2o.py --soak records the process RSS of the same run)."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    M, steps = 256, 16384
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M)
+    y = _tokens(32, seed=13, batch=1)
+    for i in range(steps // 64):
+        for _ in range(64):
+            y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        mx.eval(y, [c.acc for c in cache])
+        assert all(c.size() <= M for c in cache), i
+    assert all(c.offset == 32 + steps - 1 and c.peak <= M and c.evictions > steps - M for c in cache)

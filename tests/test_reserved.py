@@ -2,6 +2,7 @@
 updates and trims, writes happen in place, untouched pages stay uncommitted, trim gives pages
 back, and bad sizes / overflows are clear ValueErrors."""
 
+import os
 import sys
 
 import mlx_h2o  # noqa: F401  isort: skip
@@ -14,7 +15,7 @@ from mlx_lm.models import cache as lm_cache
 from mlx_lm.models import llama
 
 from mlx_h2o import _ext, make_cache
-from mlx_h2o.buffers import ReservedBuffer
+from mlx_h2o.storage import ReservedBuffer
 from mlx_h2o.caches.reserved import ReservedKVCache
 from mlx_h2o.evaluation.memory import _current_rss_bytes, array_address, resident_bytes
 
@@ -107,7 +108,7 @@ def test_bad_reservations_and_releases_are_clear_errors():
     b.append(mx.zeros([1, 2, 4, 8]))
     with pytest.raises(ValueError, match=r"shape \(1, 2, L, 8\)"):
         b.append(mx.zeros([1, 3, 1, 8]))
-    with pytest.raises(ValueError, match=r"start must be an integer in \[0, length=4\]"):
+    with pytest.raises(ValueError, match=r"start must be an integer in \[0, 4\]"):
         b.write(5, mx.zeros([1, 2, 1, 8]))
     with pytest.raises(ValueError, match=r"past the capacity of 10"):
         b.append(mx.zeros([1, 2, 7, 8]))
@@ -262,7 +263,7 @@ def test_save_load_round_trip_continues_identically(tmp_path):
     nxt = mx.array([[5]])
     assert np.array_equal(np.array(model(nxt, cache=cache)), np.array(model(nxt, cache=loaded)))
     # The saved state is the live tokens, not the reservation.
-    assert mx.load(path)["0.0"].shape == (1, 2, 30, 32)
+    assert mx.load(path)["0.0.0"].shape == (1, 2, 30, 32)
 
 
 def test_to_quantized_and_trim_protocol():
@@ -307,7 +308,7 @@ def test_bad_policy_sizes_are_clear_errors():
     for bad in (0, -1, 1.5, True, "8", 2**31):
         with pytest.raises(ValueError, match="max_context must be an integer"):
             make_cache(model, "reserved", max_context=bad)
-    with pytest.raises(ValueError, match="takes no options"):
+    with pytest.raises(ValueError, match=r"unknown option\(s\) max_kv_size for policy .reserved.; its options: max_context"):
         make_cache(model, "reserved", max_context=8, max_kv_size=4)
     assert [c.max_context for c in make_cache(model, "reserved")] == [256, 256]  # the model's context
     model.args.max_position_embeddings = None
@@ -316,6 +317,35 @@ def test_bad_policy_sizes_are_clear_errors():
 
 
 @linux_only
+def _vma_flags(address: int):
+    """VmFlags of the mapping holding `address` (/proc/self/smaps), or None."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages")
+def test_reservations_stay_in_small_pages():
+    """A transparent huge page would commit 2 MiB at the first write into it (this made
+    test_trim_and_reset_give_pages_back see 762 resident pages instead of 500 once): reservations
+    are marked MADV_NOHUGEPAGE, whatever the heap range was marked before (NumPy marks its large
+    buffers MADV_HUGEPAGE)."""
+    for _ in range(3):
+        big = np.ones(4 << 20)  # 32 MiB NumPy buffer: madvised for huge pages, then freed
+        del big
+        a = _ext.uninitialized([8 << 20], mx.float32)
+        mx.eval(a)
+        flags = _vma_flags(array_address(a))
+        assert flags is not None and "nh" in flags and "hg" not in flags, flags
+
+
 def test_trim_and_reset_give_pages_back():
     cache = ReservedKVCache(8192)
     rng = np.random.default_rng(4)

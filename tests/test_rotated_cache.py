@@ -8,8 +8,9 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from tiny_models import tiny_model
 
 import mlx_h2o
+from mlx_h2o import PackedKV
 from mlx_h2o.caches.rotated import RotatedQuantizedKVCache, calibrate_lambdas
-from mlx_h2o.caches.rotation import KVRotation, orthonormal_basis
+from mlx_h2o.storage.rotation import KVRotation, orthonormal_basis
 
 
 @pytest.mark.parametrize("dim", [64, 80, 96, 128, 256, 72, 5, 1])
@@ -60,6 +61,14 @@ def _attend_all(model, cache, tokens, prefill=12):
     return np.array(mx.concatenate(outs, axis=1))
 
 
+def _tiers(cache):
+    """(packed rows, full-precision window rows) of a rotated cache, read off its segments."""
+    segments = cache.store.segments()
+    packed = sum(k.packed.shape[2] for k, _ in segments if isinstance(k, PackedKV))
+    window = sum(k.shape[2] for k, _ in segments if not isinstance(k, PackedKV))
+    return packed, window
+
+
 @pytest.mark.parametrize("lam", ["none", "prefill"])
 def test_rotated_attention_equals_plain_attention_without_quantization(lam):
     """With a window as long as the sequence nothing is packed: only the rotation (and λ) act, and
@@ -70,7 +79,7 @@ def test_rotated_attention_equals_plain_attention_without_quantization(lam):
     cache = mlx_h2o.make_cache(model, "rotated", bits=4, residual=1000, lam=lam)
     rotated = _attend_all(model, cache, tokens)
     np.testing.assert_allclose(rotated, full, atol=2e-4, rtol=1e-4)
-    assert all(c.packed_k.length == 0 and c.window_k.shape[2] == 40 for c in cache)
+    assert all(_tiers(c) == (0, 40) for c in cache)
 
 
 def test_packed_and_window_segments_and_bits():
@@ -81,7 +90,7 @@ def test_packed_and_window_segments_and_bits():
     for bits in (2, 4, 8):
         cache = mlx_h2o.make_cache(model, "rotated", bits=bits, residual=16)
         errs[bits] = np.abs(_attend_all(model, cache, tokens) - full).max()
-        assert all(c.packed_k.length == 44 and c.window_k.shape[2] == 16 and c.offset == 60 for c in cache)
+        assert all(_tiers(c) == (44, 16) and c.offset == 60 for c in cache)
     assert errs[8] < errs[4] < errs[2], errs
     assert errs[8] < 0.1 * errs[2], errs
 
@@ -117,8 +126,9 @@ def test_trim():
     _attend_all(model, a, tokens)
     b = mlx_h2o.make_cache(model, "rotated", residual=0)
     _attend_all(model, b, tokens[:30])
-    assert a[0].trim(20) == 20 and a[0].offset == 30 and a[0].packed_k.length == 30 and a[0].window_k is None
-    for mine, ref in ((a[0].packed_k.view(), b[0].packed_k.view()), (a[0].packed_v.view(), b[0].packed_v.view())):
+    assert a[0].trim(20) == 20 and a[0].offset == 30 and _tiers(a[0]) == (30, 0)
+    [(mine_k, mine_v)], [(ref_k, ref_v)] = a[0].store.segments(), b[0].store.segments()
+    for mine, ref in ((mine_k, ref_k), (mine_v, ref_v)):
         for x, y in zip(mine[:3], ref[:3]):
             assert mx.array_equal(x, y)
 
@@ -129,7 +139,7 @@ def test_calibrated_lambdas():
     assert len(calib) == 2 and calib[0][0].shape == (2, 64)
     cache = mlx_h2o.make_cache(model, "rotated", lam=calib)
     _attend_all(model, cache, list(range(20)))
-    assert mx.array_equal(cache[0].rotation.lam_k, calib[0][0])
+    assert mx.array_equal(cache[0].lambdas[0], calib[0][0])
 
 
 def test_bad_options():
@@ -139,7 +149,7 @@ def test_bad_options():
         (dict(group_size=48), "group_size must be one of"),
         (dict(residual=-1), "residual must be"),
         (dict(lam="learned"), "lam must be one of"),
-        (dict(max_kv_size=3), "takes no options"),
+        (dict(max_kv_size=3), "unknown option\\(s\\) max_kv_size for policy 'rotated'"),
     ]:
         with pytest.raises(ValueError, match=match):
             mlx_h2o.make_cache(model, "rotated", **kwargs)

@@ -28,7 +28,7 @@ from .cpu_layers import _enable_by_default as _enable_cpu_layer_kernels  # noqa:
 
 _enable_cpu_layer_kernels()  # nn.QuantizedLinear / RMSNorm / RoPE on CPU streams -> our kernels (opt out: cpu_layers.py)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "PackedKV",
     "attention_with_scores",

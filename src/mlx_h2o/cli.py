@@ -32,36 +32,43 @@ def _positive_int(text):
     return value
 
 
-# --h2o-* flags -> h2o policy options (see caches/h2o.py); None means "policy default".
-_H2O_FLAGS = ("split", "score", "select", "sink", "heavy", "recent", "decay", "evict_every", "obs_window", "pin", "kv_bits",
-              "rotate", "pool")
+def _option_type(option):
+    """argparse type for an option of a policy's table: its own parser and error message."""
+
+    def convert(text):
+        try:
+            return option.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
+def _h2o_flag_options():
+    """The h2o options with a --h2o-* flag: all but the budget (--max-kv-size)."""
+    from .caches.h2o import OPTIONS
+
+    return [o for o in OPTIONS if o.name != "max_kv_size"]
 
 
 def _add_h2o_args(p):
-    from .caches.h2o import KV_BITS, SELECTIONS, SPLITS
-    from .caches.scoring import SCORE_RULES
+    from .options import Choice, Flag
 
-    h = p.add_argument_group("h2o policy (--cache h2o)")
-    h.add_argument("--h2o-split", choices=SPLITS, help="budget split preset: heavy (heavy=M/2, default), balanced (M/4), recent (M/8), explicit (give --h2o-heavy/--h2o-recent)")
-    h.add_argument("--h2o-score", choices=sorted(SCORE_RULES), help="scoring rule (default: normalised)")
-    h.add_argument("--h2o-select", choices=SELECTIONS, help="keep a set per kv head (default) or one per layer")
-    h.add_argument("--h2o-sink", type=int, help="first tokens always kept (default 4)")
-    h.add_argument("--h2o-heavy", type=int, help="heavy-hitter slots (with --h2o-split explicit)")
-    h.add_argument("--h2o-recent", type=int, help="recent-window slots (with --h2o-split explicit)")
-    h.add_argument("--h2o-decay", type=float, help="decay of the ema / logit_ema rules (default 0.95)")
-    h.add_argument("--h2o-evict-every", type=_positive_int, help="evict every N tokens: peak M + N - 1 entries, one gather per N tokens")
-    h.add_argument("--h2o-obs-window", type=int, help="score a prompt by what its last N tokens attend to (SnapKV-style; 0 = off)")
-    h.add_argument("--h2o-pin", nargs="+", metavar="START:END", help="token ranges never evicted (outside the budget)")
-    h.add_argument("--h2o-kv-bits", choices=(*KV_BITS, "mixed"),
-                   help="store K/V packed: 8, 4, or HEAVY/RECENT bits (mixed = 4/8; fp = model dtype); default: model dtype")
-    h.add_argument("--h2o-rotate", action="store_const", const=True,
-                   help="rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality")
-    h.add_argument("--h2o-pool", type=_positive_int,
-                   help="rank each entry by the best priority within a centred window of N entries (1 = off, default)")
+    h = p.add_argument_group("h2o policy (--cache h2o; flags from the policy's option table)")
+    for o in _h2o_flag_options():
+        flag = f"--h2o-{o.name.replace('_', '-')}"
+        default = "" if o.default is None else f" (default: {o.default})"
+        if isinstance(o.kind, Flag):
+            h.add_argument(flag, dest=f"h2o_{o.name}", action="store_const", const=True, help=o.help)
+        elif o.name == "pin":
+            h.add_argument(flag, dest="h2o_pin", nargs="+", metavar="START:END", help=o.help)
+        else:
+            metavar = "{" + ",".join(map(str, o.kind.names())) + "}" if isinstance(o.kind, Choice) else None
+            h.add_argument(flag, dest=f"h2o_{o.name}", type=_option_type(o), metavar=metavar, help=o.help + default)
 
 
 def _h2o_options(args) -> dict:
-    opts = {k: getattr(args, f"h2o_{k}") for k in _H2O_FLAGS if getattr(args, f"h2o_{k}", None) is not None}
+    opts = {o.name: getattr(args, f"h2o_{o.name}") for o in _h2o_flag_options() if getattr(args, f"h2o_{o.name}", None) is not None}
     if "pin" in opts:
         opts["pin"] = ";".join(opts["pin"])
     return opts
@@ -197,7 +204,7 @@ def cmd_passkey(args) -> int:
     if not 0.0 < args.budget <= 1.0:
         raise ValueError(f"--budget must be a fraction in (0, 1], got {args.budget}")
     specs = _with_h2o_flags(parse_specs(args.cache, [max(1, int(args.context * args.budget))]), args)
-    model, tokenizer = mlx_h2o.load(args.model, weights=args.weights)
+    model, tokenizer = _load(args)
     trials = passkey_trials(tokenizer, load_corpus(args.text_files), args.context, args.depths, args.per_depth, seed=args.seed)
     rows = run_passkey(model, tokenizer, specs, trials, prefill_step_size=args.prefill_step_size, progress=not args.quiet)
     print(passkey_markdown(rows))
@@ -207,9 +214,40 @@ def cmd_passkey(args) -> int:
     return 0
 
 
+def cmd_options(args) -> int:
+    from .options import markdown_table, render_option_tables
+
+    stale = []
+    for path in (args.write or []) + (args.check or []):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read {path}: {e}") from None
+        new = render_option_tables(text, mlx_h2o.POLICIES)
+        if new == text:
+            continue
+        if path in (args.write or []):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(new)
+            print(f"rewrote the option tables in {path}", file=sys.stderr)
+        else:
+            stale.append(path)
+    if stale:
+        raise ValueError(f"stale option tables in {', '.join(stale)}: run mlx-h2o options --write {' '.join(stale)}")
+    if not (args.write or args.check):
+        for name in args.policy or sorted(mlx_h2o.POLICIES):
+            if name not in mlx_h2o.POLICIES:
+                raise ValueError(f"policy must be one of {sorted(mlx_h2o.POLICIES)}, got {name!r}")
+            policy = mlx_h2o.POLICIES[name]
+            table = markdown_table(policy) if policy.options else "(no options)"
+            print(f"### `{name}`: {policy.summary}\n\n{table}\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-h2o", description="Bounded-memory LLM inference for MLX / mlx-lm.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval,passkey}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval,passkey,options}")
     policies = sorted(mlx_h2o.POLICIES)
 
     g = sub.add_parser("generate", help="stream a generation with a chosen KV cache policy")
@@ -259,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--quiet", action="store_true")
     _add_h2o_args(k)
     k.set_defaults(func=cmd_passkey)
+
+    o = sub.add_parser("options", help="the cache policies' options (the tables the docs show)")
+    o.add_argument("policy", nargs="*", help=f"print these policies' option tables ({', '.join(policies)}; default: all)")
+    o.add_argument("--write", nargs="+", metavar="FILE", help="rewrite the generated option tables in these Markdown files")
+    o.add_argument("--check", nargs="+", metavar="FILE", help="fail if a generated option table in these files is stale")
+    o.set_defaults(func=cmd_options)
     return parser
 
 

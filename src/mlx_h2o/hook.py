@@ -1,15 +1,18 @@
 """The one hook mlx-h2o needs inside mlx-lm: every mlx-lm model computes attention through
 `mlx_lm.models.base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)`.
 
-Models import that function by name (`from .base import scaled_dot_product_attention`), so
-rebinding the module attribute would miss them. Instead the function object's code is swapped for a
-trampoline into `_dispatch`, which reaches every model, imported before or after, and `remove()`
-restores the original code. `_dispatch` routes:
-  1. a cache with an `attend(queries, keys, values, scale=, mask=, sinks=)` method (the H2O caches,
-     which need the attention scores) -> that method;
-  2. otherwise, if fast CPU attention is enabled and the stream is the CPU -> the fused kernel
+With mlx-lm patched by this project (patches/mlx-lm), that function itself hands the call to
+`cache.attend(...)` when the cache has one, and nothing needs swapping. With stock mlx-lm, models
+import the function by name (`from .base import scaled_dot_product_attention`), so rebinding the
+module attribute would miss them; instead the function object's code is swapped for a trampoline
+into `_dispatch`, which reaches every model, imported before or after, and `remove()` restores it.
+
+`_dispatch` routes:
+  1. a cache with `attend` (caches.base.AttendingCache) -> `cache.attend`;
+  2. opt-in (`use_fast_cpu_attention()`), on CPU streams -> the fused kernel for every other cache
      (dense caches, and mlx-lm's QuantizedKVCache through the packed-K/V kernel);
   3. otherwise -> mlx-lm's original code, unchanged.
+Caches install the hook themselves (AttendingCache.__new__); nothing else needs to call `install`.
 """
 
 import types
@@ -43,15 +46,39 @@ def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
     return _original(queries, keys, values, cache, scale, mask, sinks)
 
 
+class _AttendProbe:
+    """A cache whose `attend` answers with itself: what a natively dispatching mlx-lm returns."""
+
+    def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        return self
+
+
+def _probe_native_attend() -> bool:
+    try:
+        probe = _AttendProbe()
+        return _original(None, None, None, probe, 1.0, None) is probe
+    except Exception:  # stock mlx-lm: the placeholders reach mx.fast and fail there
+        return False
+
+
+# Whether the installed mlx-lm calls `cache.attend` itself (the patched wheel).
+MLX_LM_CALLS_ATTEND = _probe_native_attend()
+
+
 def mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's own attention function, whatever the hook routes."""
+    """mlx-lm's own attention for a cache without `attend` (e.g. a GPU fallback inside `attend`)."""
     return _original(queries, keys, values, cache, scale, mask, sinks)
 
 
-def install() -> None:
-    """Route mlx-lm attention through `_dispatch` (idempotent). A no-op for caches without `attend`."""
+def _swap() -> None:
     _target.__globals__["_mlx_h2o_dispatch"] = _dispatch
     _target.__code__ = _trampoline.__code__
+
+
+def install() -> None:
+    """Make mlx-lm's attention reach `cache.attend` (idempotent; a no-op where mlx-lm does itself)."""
+    if not MLX_LM_CALLS_ATTEND:
+        _swap()
 
 
 def remove() -> None:
@@ -60,17 +87,18 @@ def remove() -> None:
 
 
 def installed() -> bool:
-    return _target.__code__ is not _original_code
+    """Whether caches with `attend` get their attention calls."""
+    return MLX_LM_CALLS_ATTEND or _target.__code__ is not _original_code
 
 
 def use_fast_cpu_attention(enabled: bool = True) -> None:
     """Opt in (or out) to the fused CPU kernel as the attention of every mlx-lm model on CPU streams
-    (dense caches; mlx-lm's quantized caches keep their own path)."""
+    (dense caches, and mlx-lm's QuantizedKVCache)."""
     global _fast_cpu_attention
     _fast_cpu_attention = bool(enabled)
     if enabled:
-        install()
+        _swap()
 
 
 def fast_cpu_attention_enabled() -> bool:
-    return _fast_cpu_attention and installed()
+    return _fast_cpu_attention and _target.__code__ is not _original_code

@@ -4,32 +4,24 @@ kernel straight from the packed bytes.
 mlx-lm's `QuantizedKVCache` already quantizes only the new tokens on append (no pass over the cache);
 what it lacks on the CPU is a fast attention: its two `quantized_matmul`s and materialised score
 matrix are slower than dense attention. `FusedQuantizedKVCache` keeps its storage and protocol and
-adds `attend`, which the hook routes every mlx-lm model's attention to.
+adds `attend`.
 """
 
 import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
 from ..attention import quantized_scaled_dot_product_attention_with_scores
-from . import per_layer_caches, register_cache_class, register_policy
-from .baseline import reject_options
+from ..options import Choice, Option, Policy
+from . import per_layer_caches, register_policy
+from .base import AttendingCache
 
-KV_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
 
-def check_bits_and_group(bits, group_size, allowed_bits=KV_BITS):
-    if bits not in allowed_bits or isinstance(bits, bool):
-        raise ValueError(f"bits must be one of {allowed_bits}, got {bits!r}")
-    if group_size not in GROUP_SIZES or isinstance(group_size, bool):
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
-
-
-@register_cache_class
-class FusedQuantizedKVCache(lm_cache.QuantizedKVCache):
+class FusedQuantizedKVCache(AttendingCache, lm_cache.QuantizedKVCache):
     """mlx-lm's QuantizedKVCache, attended by the fused kernel on CPU streams."""
 
-    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+    def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         if mx.default_device() != mx.cpu:  # GPU: mlx-lm's quantized_matmul path is the fast one there
             from ..hook import mlx_lm_attention
 
@@ -46,12 +38,28 @@ class FusedQuantizedKVCache(lm_cache.QuantizedKVCache):
         k, v = self.keys_and_values()
         return sum(x.nbytes for x in (*k, *v))
 
+    def _payload(self):
+        return None if self.keys is None else self.keys_and_values()
 
-@register_policy("quantized")
-def quantized_cache(model, bits: int = 8, group_size: int = 64, **options):
-    reject_options("quantized", options)
-    check_bits_and_group(bits, group_size)
-    from .. import hook
+    def _meta(self):
+        return {"offset": self.offset, "bits": self.bits, "group_size": self.group_size}
 
-    hook.install()
-    return per_layer_caches(model, lambda: FusedQuantizedKVCache(group_size=group_size, bits=bits))
+    def _restore(self, payload, meta):
+        self.__init__(group_size=meta["group_size"], bits=meta["bits"])
+        if payload is not None:
+            self.keys, self.values = (tuple(x) for x in payload)
+        self.offset = meta["offset"]
+
+
+register_policy(
+    Policy(
+        "quantized",
+        "every token, packed at 8 or 4 bits (mlx-lm's QuantizedKVCache storage), attended from the packed bytes",
+        (
+            Option("bits", Choice((8, 4)), 8, "bits per stored K/V value"),
+            Option("group_size", Choice(GROUP_SIZES), 64, "values sharing one scale and bias"),
+        ),
+        lambda model, bits, group_size: per_layer_caches(model, lambda i: FusedQuantizedKVCache(group_size=group_size, bits=bits)),
+        (FusedQuantizedKVCache,),
+    )
+)

@@ -4,7 +4,7 @@ mlx-lm's `KVCache` grows in 256-token steps by allocating a bigger buffer and co
 into it: every step boundary is a stall proportional to the cache size. Pre-allocating the
 maximum avoids the copies but commits memory the conversation may never use. A reserved cache
 takes the address space for `max_context` tokens up front, lets the OS commit pages as tokens are
-written into them, and writes every token in place (see mlx_h2o.buffers). Attention gets views of
+written into them, and writes every token in place (see mlx_h2o.storage.reserved). Attention gets views of
 the live prefix; `nbytes` counts the live tokens only. Going past `max_context` is a ValueError
 raised before anything is written (the cache does not grow); `trim` and `reset` give the pages
 past the kept tokens back to the OS (Linux).
@@ -14,13 +14,14 @@ past the kept tokens back to the OS (Linux).
 
 from mlx_lm.models import cache as lm_cache
 
-from ..buffers import ReservedBuffer, check_capacity
-from . import per_layer_caches, register_cache_class, register_policy
-from .baseline import reject_options
+from ..options import Int, Option, Policy
+from ..storage import ReservedBuffer, check_capacity
+from ..storage.reserved import MAX_POSITIONS
+from . import per_layer_caches, register_policy
+from .base import SavedCache
 
 
-@register_cache_class
-class ReservedKVCache(lm_cache._BaseCache):
+class ReservedKVCache(SavedCache):
     """A full (lossless) KV cache whose keys and values live in reserved buffers of
     `max_context` positions, written in place."""
 
@@ -61,29 +62,33 @@ class ReservedKVCache(lm_cache._BaseCache):
     # The rest of KVCache's protocol reads only `offset`, `keys` and `values`, which mean the same
     # here (live views), so it is reused as is: nbytes counts live tokens, not the reservation.
     size = lm_cache.KVCache.size
-    empty = lm_cache.KVCache.empty
     make_mask = lm_cache.KVCache.make_mask
     to_quantized = lm_cache.KVCache.to_quantized
     nbytes = lm_cache.KVCache.nbytes
     # Batched generation merges per-sequence caches into mlx-lm's BatchKVCache (a copy).
     merge = lm_cache.KVCache.merge
 
+    def empty(self):
+        # No tokens (KVCache asks whether keys exist; here they are a view of the reservation,
+        # which outlives reset()).
+        return self.offset == 0
+
     @property
     def reserved_nbytes(self) -> int:
         """Address space reserved for keys and values (committed only where written)."""
         return self._keys.reserved_nbytes + self._values.reserved_nbytes
 
-    @property
-    def state(self):
+    def _payload(self):
         # The live tokens only, so a saved prompt cache holds no reservation slack.
-        return self.keys, self.values, self.max_context
+        return None if self.keys is None else (self.keys, self.values)
 
-    @state.setter
-    def state(self, v):
-        keys, values, max_context = v
-        self.__init__(max_context)
-        if keys is not None:
-            self.update_and_fetch(keys, values)
+    def _meta(self):
+        return {"max_context": self.max_context}
+
+    def _restore(self, payload, meta):
+        self.__init__(meta["max_context"])
+        if payload is not None:
+            self.update_and_fetch(*payload)
 
     def is_trimmable(self):
         return True
@@ -102,13 +107,21 @@ class ReservedKVCache(lm_cache._BaseCache):
         self._values.truncate(length)
 
 
-@register_policy("reserved")
-def reserved_cache(model, max_context=None, **options):
-    """`max_context` defaults to the model's context length (`max_position_embeddings`)."""
-    reject_options("reserved", options)
+def _reserved(model, max_context):
     if max_context is None:
         max_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         if max_context is None:
             raise ValueError("policy 'reserved' needs max_context (the model does not say its context length)")
     max_context = check_capacity(max_context, "max_context")
-    return per_layer_caches(model, lambda: ReservedKVCache(max_context))
+    return per_layer_caches(model, lambda i: ReservedKVCache(max_context))
+
+
+register_policy(
+    Policy(
+        "reserved",
+        "every token, in buffers reserved once for max_context tokens that commit memory only as tokens are written",
+        (Option("max_context", Int(1, MAX_POSITIONS), None, "tokens reserved (unset: the model's context length)"),),
+        _reserved,
+        (ReservedKVCache,),
+    )
+)

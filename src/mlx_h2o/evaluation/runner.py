@@ -1,11 +1,11 @@
 """Several cache policies on identical token sequences in one run -> rows for one table.
 
 A policy spec is `name` or `name:key=value,key=value` (e.g. `rotating:max_kv_size=128`,
-`h2o:max_kv_size=256,score=ema`). Bounded policies (those whose builder takes `max_kv_size`) are
-expanded over every size in `max_kv_sizes` unless the spec fixes one.
+`h2o:max_kv_size=256,score=ema`), values parsed by the policy's option table. Bounded policies
+(those with a `max_kv_size` option) are expanded over every size in `max_kv_sizes` unless the spec
+fixes one.
 """
 
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,6 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..caches import POLICIES, make_cache
+from ..options import parse_key_values
 from .memory import kv_bytes, memory_snapshot
 from .perplexity import autoregressive_nll
 from .speed import decode_benchmark
@@ -33,32 +34,15 @@ class PolicySpec:
         return f"{self.policy}({opts})"
 
 
-def _parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
-
-
-def is_bounded(policy: str) -> bool:
-    return "max_kv_size" in inspect.signature(POLICIES[policy]).parameters
-
-
 def parse_specs(specs: Sequence[str], max_kv_sizes: Sequence[int] = ()) -> List[PolicySpec]:
     out = []
     for spec in specs:
         name, _, rest = spec.partition(":")
         if name not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r} (in {spec!r})")
-        options = {}
-        for item in filter(None, rest.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise ValueError(f"policy options are key=value pairs, got {item!r} in {spec!r}")
-            options[key.strip().replace("-", "_")] = _parse_value(value.strip())
-        if is_bounded(name) and "max_kv_size" not in options:
+        policy = POLICIES[name]
+        options = policy.parse_options(parse_key_values(list(filter(None, rest.split(","))), "policy option"))
+        if policy.bounded and "max_kv_size" not in options:
             if not max_kv_sizes:
                 raise ValueError(f"policy {name!r} needs a budget: give --max-kv-size or {name}:max_kv_size=M")
             out += [PolicySpec(name, {"max_kv_size": m, **options}) for m in max_kv_sizes]

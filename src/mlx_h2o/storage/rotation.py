@@ -1,5 +1,7 @@
-"""Rotate-then-quantize for KV caches: a fixed random orthogonal rotation per layer, an optional
+"""Rotate-then-quantize for KV storage: a fixed random orthogonal rotation per layer, an optional
 per-coordinate scale λ, and the query/output transforms that let attention run in the stored space.
+`RotatedKV` wraps any K/V storage with it: keys/values are rotated on write, queries on the way into
+attention, outputs on the way back.
 
 Rotation R = B · diag(s) with s random ±1 signs (seeded) and B an orthonormal basis that mixes every
 coordinate: the normalised Walsh-Hadamard matrix when the head dim is a power of two, otherwise the
@@ -15,17 +17,21 @@ Stored values are v~ = λv ⊙ (v Rᵀ);  the attention output o~ = Σ p v~  map
 so every coordinate spans the same range before per-group quantization.
 """
 
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
 
+from .kv import KVStorage
+
 LAMBDA_FLOOR = 1e-6
 # How a cache gets its per-coordinate λ: "none" (rotation alone) or "prefill" (fitted on the first
 # update). "none" is the default: on SmolLM2 a prefill λ doubled rotated 4-bit's ΔPPL (+1.86 % vs
-# +0.92 %, README results) since the rotation already evens the coordinates out.
+# +0.92 %, docs/storage.md) since the rotation already evens the coordinates out.
 LAMBDA_MODES = ("none", "prefill")
 DEFAULT_LAMBDA = "none"
+# A layer's calibrated λ: (lam_k, lam_v), each (Hkv, D) (see caches.rotated.calibrate_lambdas).
+Lambdas = Tuple[mx.array, mx.array]
 
 
 def orthonormal_basis(dim: int) -> np.ndarray:
@@ -122,3 +128,51 @@ class KVRotation:
     @classmethod
     def from_state(cls, state) -> "KVRotation":
         return cls(state["signs_k"], state["signs_v"], state["lam_k"], state["lam_v"])
+
+
+class RotatedKV(KVStorage):
+    """Storage whose rows are kept rotated (see the module docstring): `inner` holds λ ⊙ (x Rᵀ); the
+    rotation is made on the first write (seeded; λ as `lam` says: "none", "prefill" = fitted on
+    that write, or calibrated (lam_k, lam_v))."""
+
+    def __init__(self, inner: KVStorage, seed: int, lam: Union[str, Lambdas] = DEFAULT_LAMBDA):
+        self.inner, self.seed, self.lam = inner, seed, lam
+        self.rotation: Optional[KVRotation] = None
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    def append(self, keys, values, capacity=None) -> None:
+        if self.rotation is None:
+            self.rotation = KVRotation.seeded(keys.shape[-1], values.shape[-1], self.seed)
+            if isinstance(self.lam, tuple):
+                self.rotation.lam_k, self.rotation.lam_v = self.lam
+            elif self.lam == "prefill":
+                self.rotation.fit_lambdas(keys, values)
+        self.inner.append(self.rotation.keys(keys), self.rotation.values(values), capacity)
+
+    def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
+        self.inner.gather(idx, keep, protected_tail, capacity)
+
+    def trim(self, n: int) -> None:
+        self.inner.trim(n)
+
+    def segments(self) -> list:
+        return self.inner.segments()
+
+    def prepare_queries(self, queries):
+        return self.rotation.queries(queries)
+
+    def restore_output(self, out, dtype):
+        return self.rotation.output(out, dtype)
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+    def state(self):
+        return {"rows": self.inner.state(), "rotation": None if self.rotation is None else self.rotation.state}
+
+    def load(self, state) -> None:
+        self.inner.load(state["rows"])
+        self.rotation = None if state["rotation"] is None else KVRotation.from_state(state["rotation"])

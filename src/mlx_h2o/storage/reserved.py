@@ -15,14 +15,14 @@ from math import gcd
 
 import mlx.core as mx
 
-from . import _ext
+from .. import _ext
+from ..options import check_int
+
+MAX_POSITIONS = 2**31 - 1  # shapes are int32 in MLX: positions past this cannot be addressed
 
 
 def check_capacity(value, name: str = "capacity") -> int:
-    # Shapes are int32 in MLX, so positions past 2**31 - 1 cannot be addressed.
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
-        raise ValueError(f"{name} must be an integer in [1, 2**31), got {value!r}")
-    return value
+    return check_int(name, value, 1, MAX_POSITIONS)
 
 
 def _aligned_capacity(capacity: int, row_bytes: int) -> int:
@@ -32,7 +32,7 @@ def _aligned_capacity(capacity: int, row_bytes: int) -> int:
     step = page // gcd(page, row_bytes)
     aligned = -(-capacity // step) * step
     # Padding is uncommitted address space, but keep it small relative to the reservation.
-    return aligned if aligned - capacity <= max(capacity // 8, 1) and aligned < 2**31 else capacity
+    return aligned if aligned - capacity <= max(capacity // 8, 1) and aligned <= MAX_POSITIONS else capacity
 
 
 class ReservedBuffer:
@@ -83,8 +83,7 @@ class ReservedBuffer:
         [0, start + L). `start` may be below `length` (overwrite, e.g. after compaction)."""
         if not isinstance(x, mx.array) or x.ndim != 4:
             raise ValueError(f"x must be an mx.array of shape (B, H, L, D), got {getattr(x, 'shape', type(x))}")
-        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= self.length:
-            raise ValueError(f"start must be an integer in [0, length={self.length}], got {start!r}")
+        check_int("start", start, 0, self.length)
         L = x.shape[2]
         if start + L > self.capacity:
             raise ValueError(
@@ -112,8 +111,7 @@ class ReservedBuffer:
     def truncate(self, length: int) -> int:
         """Keep positions [0, length) and give the pages past them back to the OS where it is safe
         and the platform allows. Returns the bytes given back."""
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
-            raise ValueError(f"length must be an integer in [0, {self.length}], got {length!r}")
+        check_int("length", length, 0, self.length)
         self.length = length
         if self._data is None:
             return 0

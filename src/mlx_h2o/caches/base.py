@@ -1,0 +1,100 @@
+"""The protocol of mlx-h2o's caches, on top of mlx-lm's `_BaseCache`.
+
+`SavedCache`: one versioned save format for every mlx-h2o cache. `state` is `(payload, meta_state)`:
+the payload a tree of arrays (and None / numbers) mlx-lm's `save_prompt_cache` can write, the
+meta_state a JSON string naming the format version and holding the cache's configuration.
+`load_prompt_cache` passes `state` back to `from_state`; a file in another format fails with a
+message naming the mlx-h2o release that wrote it. mlx-lm 0.32 saves `state` only; releases that also
+save `meta_state` assign it after `state` in `from_state` - it repeats what `state` carried, so the
+setter only checks it. A subclass gives `_payload()`, `_meta()` and `_restore(payload, meta)`.
+
+`AttendingCache`: a cache that computes its layer's attention. mlx-lm models call
+`mlx_lm.models.base.scaled_dot_product_attention(queries, keys, values, cache, ...)` with what the
+cache's `update_and_fetch` returned; the hook (hook.py) hands that call to the cache's `attend`.
+Making an instance in any way - the constructor, `from_state` (load_prompt_cache), `copy` - installs
+the hook, so no policy can forget it and a cache loaded in a fresh process attends like a made one.
+"""
+
+import json
+
+from mlx_lm.models import cache as lm_cache
+
+from .. import hook
+
+SAVE_FORMAT = 2  # mlx-h2o 0.1.0 wrote format 1 (unversioned states)
+FORMAT_KEY = "mlx_h2o_save_format"
+# Save format -> the mlx-h2o release that wrote it, for error messages.
+FORMAT_RELEASES = {1: "0.1.0", 2: "0.2.0"}
+
+
+def _release(fmt) -> str:
+    return f"mlx-h2o {FORMAT_RELEASES.get(fmt, 'newer than this one')} (save format {fmt})"
+
+
+def parse_meta(cls_name: str, meta) -> dict:
+    """The meta_state dict of a saved cache, or a ValueError saying which release wrote the file."""
+    try:
+        d = json.loads(meta) if isinstance(meta, str) else None
+    except json.JSONDecodeError:
+        d = None
+    fmt = d.get(FORMAT_KEY, 1) if isinstance(d, dict) else 1
+    if fmt != SAVE_FORMAT:
+        from .. import __version__
+
+        raise ValueError(
+            f"this {cls_name} prompt cache was saved by {_release(fmt)}; mlx-h2o {__version__} reads save format "
+            f"{SAVE_FORMAT} only: recompute the prompt cache (e.g. mlx_lm.cache_prompt) with this release"
+        )
+    return d
+
+
+class SavedCache(lm_cache._BaseCache):
+    """The versioned save format (see the module docstring)."""
+
+    def _payload(self):
+        raise NotImplementedError
+
+    def _meta(self) -> dict:
+        raise NotImplementedError
+
+    def _restore(self, payload, meta: dict) -> None:
+        raise NotImplementedError
+
+    @property
+    def meta_state(self) -> str:
+        return json.dumps({FORMAT_KEY: SAVE_FORMAT, **self._meta()})
+
+    @meta_state.setter
+    def meta_state(self, value) -> None:
+        parse_meta(type(self).__name__, value)  # the state, set first, already restored the cache
+
+    @property
+    def state(self):
+        return self._payload(), self.meta_state
+
+    @state.setter
+    def state(self, value):
+        paired = isinstance(value, (tuple, list)) and len(value) == 2  # 0.1.0 states were flat tuples or dicts
+        meta = parse_meta(type(self).__name__, value[1] if paired else None)
+        self._restore(value[0], meta)
+
+    @classmethod
+    def from_state(cls, state, meta_state=None):
+        obj = cls.__new__(cls)
+        obj.state = state
+        if meta_state is not None:
+            obj.meta_state = meta_state
+        return obj
+
+
+class AttendingCache(SavedCache):
+    """A cache that owns its attention (see the module docstring)."""
+
+    def __new__(cls, *args, **kwargs):
+        hook.install()  # every way of making an instance passes here
+        return super().__new__(cls)
+
+    def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        """This layer's attention output (B, Hq, L, Dv) for `queries` over what `update_and_fetch`
+        returned (`keys`, `values`: arrays, or K/V segments and None)."""
+        raise NotImplementedError

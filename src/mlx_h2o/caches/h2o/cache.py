@@ -1,0 +1,245 @@
+"""`H2OKVCache`: the heavy-hitter cache of one layer, and the "h2o" policy that builds one per layer.
+
+Per kv head the cache keeps M = sink + heavy + recent entries: the first `sink` tokens, the `heavy`
+highest-priority middle tokens and the `recent` last tokens, plus any pinned spans (outside M).
+Priorities come from the attention each entry received, reported by the fused kernel's score
+export and folded in by a scoring rule (scoring.py); which entries go is planned in eviction.py;
+K/V rows live in storage (storage/: dense, packed, tiered, rotated).
+
+How it fits mlx-lm without model edits:
+- Models reach attention through `mlx_lm.models.base.scaled_dot_product_attention`, which hands the
+  call to `attend` (caches/base.py), where the op runs with scores and the rule accumulates them.
+- `offset` counts the tokens processed (RoPE positions, masks); `length` is what is stored. They
+  differ once anything is evicted, and the model never sees `length` as a position (resetting
+  `offset` after eviction was the MLX seed's garbage-output bug).
+- Eviction happens at the start of `update_and_fetch`, before the new tokens are appended, from the
+  scores gathered so far; `make_mask` plans the same eviction, so the mask built before the layer
+  runs matches the evicted layout. Rows stay in position order and new tokens are appended at the
+  end, so the ordinary causal mask is right for the evicted layout.
+- Models whose attention bypasses mlx-lm's function (mlx-lm's gemma2 computes soft-capped attention
+  inline) give no scores: the cache notices, warns once and keeps sink + the most recent entries.
+"""
+
+import warnings
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.base import create_causal_mask
+
+from ...attention import attention_with_scores
+from ...options import Policy
+from ...storage import KVStorage, RotatedKV, check_group_size, gather_rows, make_kv_storage
+from .. import per_layer_caches, register_policy
+from ..base import AttendingCache
+from .eviction import buffer_capacity, eviction_plan, keep_count, recent_kept
+from .options import OPTIONS, H2OConfig
+from .scoring import make_rule, max_pool
+
+
+def make_storage(config: H2OConfig, seed: int) -> KVStorage:
+    """K/V rows as the config says: one format or older/recent tiers, rotated or not."""
+    older, recent = config.tiers()
+    store = make_kv_storage(older, recent, config.recent, config.kv_group_size)
+    return RotatedKV(store, seed, config.rotate_lam) if config.rotate else store
+
+
+class H2OKVCache(AttendingCache):
+    """Sink + heavy hitters + recent window, per kv head; see the module docstring."""
+
+    def __init__(self, config: H2OConfig, seed: int = 0):
+        self.config = config
+        self.seed = seed  # of this layer's rotation (rotate=True)
+        self.rule = make_rule(config.score, config.decay)
+        self.reset()
+
+    def reset(self):
+        """Forget everything (an independent generation starts from scratch)."""
+        self.store = make_storage(self.config, self.seed)  # K/V rows, position order
+        self.acc = self.positions = None  # (B, H, capacity): score accumulator, token position
+        self.offset = 0  # tokens processed: RoPE position of the next token
+        self.length = 0  # entries held
+        self.peak = 0  # most entries ever held at once (bound: M + evict_every - 1 + pinned)
+        self.evictions = 0
+        self.scoreless = False
+        self._awaiting_scores = False
+
+    # ------------------------------------------------------------------ mlx-lm's protocol
+    def size(self):
+        return self.length
+
+    def empty(self):
+        return self.acc is None
+
+    @property
+    def nbytes(self):
+        # Stored K/V rows plus the per-entry score and position bookkeeping.
+        n = self.length
+        return self.store.nbytes() + sum(a[..., :n].nbytes for a in (self.acc, self.positions) if a is not None)
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        """Drop the last n tokens (speculative decoding). Only tokens still held can go: the trailing
+        run of consecutive positions (at least the recent window)."""
+        n = min(n, self.length)
+        if n <= 0:
+            return 0
+        # Positions are ascending per head: the held tail is a consecutive run ending at offset - 1.
+        tail = np.array(self.positions[..., self.length - n : self.length])
+        run = (tail == np.arange(self.offset - n, self.offset)).all(axis=(0, 1))[::-1]
+        n = int(n if run.all() else np.argmin(run))
+        self.store.trim(n)
+        self.length -= n
+        self.offset -= n
+        return n
+
+    def _payload(self):
+        if self.acc is None:
+            return None
+        n = self.length
+        return {"rows": self.store.state(), "acc": self.acc[..., :n], "positions": self.positions[..., :n]}
+
+    def _meta(self):
+        return {"config": self.config.to_json(), "seed": self.seed, "offset": self.offset, "length": self.length,
+                "peak": self.peak, "evictions": self.evictions, "scoreless": self.scoreless}
+
+    def _restore(self, payload, meta):
+        self.__init__(H2OConfig.from_json(meta["config"]), meta["seed"])
+        if payload is not None:
+            self.store.load(payload["rows"])
+            self.acc, self.positions = payload["acc"], payload["positions"]
+        self.offset, self.length, self.peak = meta["offset"], meta["length"], meta["peak"]
+        self.evictions, self.scoreless = meta["evictions"], meta["scoreless"]
+
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's BatchGenerator: several sequences' caches of this layer as one batch cache,
+        each sequence still evicted on its own (batch.py)."""
+        from .batch import BatchH2OKVCache
+
+        return BatchH2OKVCache.merge(caches)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if window_size is not None and self.offset + N > window_size:
+            raise ValueError(
+                "an h2o layer cannot serve a sliding-window mask (its entries differ per layer and head); "
+                "sliding-window layers keep their own cache"
+            )
+        if N == 1:
+            return None  # a single query sees every held entry
+        if return_array:
+            keep = keep_count(self.config, self.length, self.offset, N)
+            return create_causal_mask(N, self.length if keep is None else keep)
+        return "causal"
+
+    # ------------------------------------------------------------------ the layer's calls
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self._awaiting_scores:
+            self._lost_scores()
+        B, H, L, _ = keys.shape
+        if self.acc is not None and (B, H) != tuple(self.acc.shape[:2]):
+            raise ValueError(f"keys have batch/heads {(B, H)} but the cache holds {tuple(self.acc.shape[:2])}; reset() it first")
+        if self.acc is None and self.config.kv_bits is not None:
+            for x in (keys, values):
+                check_group_size("kv_group_size", self.config.kv_group_size, x.shape[-1])
+        keep = keep_count(self.config, self.length, self.offset, L) if self.acc is not None else None
+        if keep is not None:
+            self._evict(keep, buffer_capacity(self.config, self.offset, keep + L))
+        P = self.length
+        if self.acc is None or P + L > self.acc.shape[2]:
+            self._grow(B, H, buffer_capacity(self.config, self.offset, P + L))
+        self.store.append(keys, values, self.acc.shape[2])
+        self.acc[..., P : P + L] = mx.zeros((B, H, L), mx.float32)
+        self.positions[..., P : P + L] = mx.broadcast_to(mx.arange(self.offset, self.offset + L, dtype=mx.int32), (B, H, L))
+        self.offset += L
+        self.length = P + L
+        self.peak = max(self.peak, self.length)
+        self._awaiting_scores = True
+        return self.store.fetch()
+
+    def _evict(self, keep: int, capacity: int):
+        n = self.length
+        plan = eviction_plan(self.config, self.scoreless)
+        recent = recent_kept(self.config, self.offset, keep)
+        offset, recent_from = mx.array(self.offset, mx.int32), mx.array(self.offset - recent, mx.int32)
+        idx = plan(self.acc[..., :n], self.positions[..., :n], offset, recent_from, keep, capacity)
+        self.store.gather(idx, keep, recent, capacity)
+        self.acc, self.positions = gather_rows(self.acc, idx), gather_rows(self.positions, idx)
+        self.length = keep
+        self.evictions += 1
+
+    def _grow(self, B, H, capacity):
+        def grown(buf, dtype):
+            fresh = mx.zeros((B, H, capacity - (0 if buf is None else self.length)), dtype)
+            return fresh if buf is None else mx.concatenate([buf[:, :, : self.length], fresh], axis=2)
+
+        self.acc = grown(self.acc, mx.float32)
+        self.positions = grown(self.positions, mx.int32)
+
+    def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        """Attention for this layer, folding the scores into the cache."""
+        segments = keys if isinstance(keys, list) else [(keys, values)]
+        N = sum((k.packed if hasattr(k, "packed") else k).shape[2] for k, _ in segments)
+        if N != self.length:
+            raise ValueError(f"attention over {N} keys but the h2o cache holds {self.length}: keys must come from update_and_fetch")
+        L = queries.shape[2]
+        dtype = queries.dtype
+        queries = self.store.prepare_queries(queries)  # rotated storage: <R q, R k> = <q, k>
+
+        def op(q, mask, scores):
+            return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)
+
+        w = self.config.obs_window
+        if w and L > w:
+            # Observation window (SnapKV): score the prompt by what its last w rows attend to, pooled
+            # along positions, as if every row of the call attended that way.
+            out, _ = op(queries, mask, None)
+            _, raw = op(queries[:, :, -w:], _last_rows(mask, w, L), self.rule.op_scores)
+            stats = max_pool(self.rule.stats(raw, self.acc.shape[1], w), self.config.obs_pool)
+            live = N - (w - 1) / 2
+        else:
+            out, raw = op(queries, mask, self.rule.op_scores)
+            stats = self.rule.stats(raw, self.acc.shape[1], L)
+            live = N - (L - 1) / 2  # mean number of entries a row of the call attended (causal)
+        self.acc[..., :N] = self.rule.update(self.acc[..., :N], stats, L, live)
+        self._awaiting_scores = False
+        return self.store.restore_output(out, dtype)
+
+    def _lost_scores(self):
+        if not self.scoreless:
+            warnings.warn(
+                "h2o: this model computes attention without mlx_lm.models.base.scaled_dot_product_attention "
+                "(or the hook was removed), so the cache gets no attention scores; it keeps sink + recent "
+                "entries instead (a sliding window)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.scoreless = True
+
+
+def _last_rows(mask, w: int, L: int):
+    if mask is None or isinstance(mask, str):
+        return mask  # "causal" puts row i at N - rows + i: right for the last w rows too
+    if mask.ndim >= 2 and mask.shape[-2] == L:
+        return mask[..., -w:, :]
+    return mask
+
+
+def _h2o_caches(model, **options):
+    """H2OKVCache on every plain KVCache layer (sliding-window and other special layers keep the
+    model's own cache); layer i's rotation is seeded with i."""
+    config = H2OConfig.build(**options)
+    return per_layer_caches(model, lambda i: H2OKVCache(config, seed=i))
+
+
+register_policy(
+    Policy(
+        "h2o",
+        "sink tokens + the most-attended heavy hitters + a recent window, per kv head, scored by the fused kernel",
+        OPTIONS,
+        _h2o_caches,
+        (H2OKVCache,),
+    )
+)

@@ -1,0 +1,33 @@
+"""Storage for KV caches, below every cache policy and knowing none of them.
+
+- `rows`: K or V rows in (B, H, capacity, ...) buffers, dense or MLX-packed; gathers that compact them.
+- `kv`: K and V side by side in one format (`KVStore`) or two precision tiers (`TieredKV`); the
+  interface every storage offers.
+- `rotation`: rotate-then-quantize (`KVRotation`) and `RotatedKV`, which wraps any storage with it.
+- `reserved`: `ReservedBuffer`, address space reserved once whose pages the OS commits as rows are
+  written.
+"""
+
+from .kv import KVStorage, KVStore, TieredKV, make_kv_storage
+from .reserved import ReservedBuffer, check_capacity
+from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, KVRotation, RotatedKV
+from .rows import GROW_STEP, RowStore, check_group_size, gather_rows, grown_capacity, pad_indices
+
+__all__ = [
+    "DEFAULT_LAMBDA",
+    "GROW_STEP",
+    "KVRotation",
+    "KVStorage",
+    "KVStore",
+    "LAMBDA_MODES",
+    "ReservedBuffer",
+    "RotatedKV",
+    "RowStore",
+    "TieredKV",
+    "check_capacity",
+    "check_group_size",
+    "gather_rows",
+    "grown_capacity",
+    "make_kv_storage",
+    "pad_indices",
+]

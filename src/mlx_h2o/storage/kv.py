@@ -1,0 +1,164 @@
+"""K/V storage for caches: K and V rows side by side, in one format (`KVStore`) or in two precision
+tiers (`TieredKV`). Storage knows nothing of eviction policies: a cache appends rows, asks for a
+compaction that keeps rows it chose, and hands `segments()` to the fused kernel.
+
+The interface every storage (and the rotation wrapper, storage/rotation.py) offers:
+  length                              rows held
+  append(keys, values, capacity=None) write rows (B, H, L, D) after the held ones; `capacity` sizes the
+                                      buffers when they grow (None: steps of GROW_STEP rows)
+  gather(idx, keep, protected_tail=0, capacity=0)
+                                      keep rows idx[..., :keep] (ascending) per (batch, head); the
+                                      last `protected_tail` of them are the newest rows
+  trim(n)                             forget the newest n rows
+  segments()                          [(k, v)] in row order, each an mx.array or a PackedKV
+  fetch()                             what a cache's update_and_fetch returns: (keys, values) arrays for
+                                      dense rows (models may use them directly), else (segments(), None)
+  prepare_queries(q), restore_output(o, dtype)
+                                      the attention-side transforms (identity here; a rotation there)
+  nbytes(), state(), load(state)
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+
+from .rows import RowStore, grown_capacity, pad_indices
+
+
+class KVStorage:
+    """Defaults shared by every storage (see the module docstring)."""
+
+    def fetch(self):
+        return self.segments(), None
+
+    def prepare_queries(self, queries: mx.array) -> mx.array:
+        return queries
+
+    def restore_output(self, out: mx.array, dtype) -> mx.array:
+        return out
+
+
+class KVStore(KVStorage):
+    """K and V rows in one format: dense (`bits=None`) or packed at `bits`."""
+
+    def __init__(self, bits: Optional[int] = None, group_size: int = 32):
+        self.k, self.v = RowStore(bits, group_size), RowStore(bits, group_size)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.capacity
+
+    def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None) -> None:
+        ek, ev = self.k.encode(keys), self.v.encode(values)
+        needed = self.length + keys.shape[2]
+        if needed > self.capacity:
+            capacity = grown_capacity(needed) if capacity is None else max(capacity, needed)
+            self.k.reserve(ek, self.length, capacity)
+            self.v.reserve(ev, self.length, capacity)
+        self.k.write(self.length, ek)
+        self.v.write(self.length, ev)
+        self.length = needed
+
+    def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
+        idx = pad_indices(idx, capacity)
+        self.k.gather(idx)
+        self.v.gather(idx)
+        self.length = keep
+
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest n rows (the rest keeps no spare room)."""
+        self.k.drop_front(n, self.length)
+        self.v.drop_front(n, self.length)
+        self.length -= n
+
+    def decode(self, start: int, stop: int):
+        """Rows [start, stop) of K and V as dense values in the stored dtype."""
+        return self.k.decode(start, stop, self.k.dtype), self.v.decode(start, stop, self.v.dtype)
+
+    def trim(self, n: int) -> None:
+        self.length -= n
+
+    def segments(self) -> list:
+        return [(self.k.view(self.length), self.v.view(self.length))] if self.length else []
+
+    def fetch(self):
+        if self.k.bits is None:
+            return self.k.view(self.length), self.v.view(self.length)
+        return super().fetch()
+
+    def nbytes(self) -> int:
+        return self.k.nbytes(self.length) + self.v.nbytes(self.length)
+
+    def state(self):
+        return {"k": self.k.state(self.length), "v": self.v.state(self.length)} if self.length else None
+
+    def load(self, state) -> None:
+        if state is None:
+            self.length = 0
+            self.k.arrays = self.v.arrays = None
+            return
+        self.k.load(state["k"])
+        self.v.load(state["v"])
+        self.length = self.k.capacity
+
+
+class TieredKV(KVStorage):
+    """Mixed precision: the low tier's rows followed by the high tier's, in row order. New rows enter
+    the high tier; a row is converted to the low tier's format once, when it leaves the newest
+    `window` rows. A compaction keeps the high tier whole (the protected newest rows) and gathers in
+    the low tier."""
+
+    def __init__(self, low_bits: Optional[int], high_bits: Optional[int], window: int, group_size: int = 32):
+        self.low, self.high = KVStore(low_bits, group_size), KVStore(high_bits, group_size)
+        self.window = window
+
+    @property
+    def length(self) -> int:
+        return self.low.length + self.high.length
+
+    def append(self, keys, values, capacity: Optional[int] = None) -> None:
+        # Exact room: demote() cuts the high tier back to its newest rows, so spare capacity there
+        # would be allocated and dropped on every call.
+        self.high.append(keys, values, self.high.length + keys.shape[2])
+        self.demote(self.window, capacity)
+
+    def demote(self, keep_high: int, capacity: Optional[int]) -> None:
+        """Convert all but the newest `keep_high` high-tier rows to the low tier's format."""
+        n = self.high.length - keep_high
+        if n <= 0:
+            return
+        k, v = self.high.decode(0, n)
+        self.low.append(k, v, None if capacity is None else max(capacity, self.low.length + n))
+        self.high.drop_front(n)
+
+    def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
+        self.demote(protected_tail, capacity)
+        low_keep = keep - self.high.length
+        self.low.gather(idx[..., :low_keep], low_keep, capacity=capacity)
+
+    def trim(self, n: int) -> None:
+        from_high = min(n, self.high.length)
+        self.high.trim(from_high)
+        self.low.trim(n - from_high)
+
+    def segments(self) -> list:
+        return self.low.segments() + self.high.segments()
+
+    def nbytes(self) -> int:
+        return self.low.nbytes() + self.high.nbytes()
+
+    def state(self):
+        return {"low": self.low.state(), "high": self.high.state()}
+
+    def load(self, state) -> None:
+        self.low.load(state["low"])
+        self.high.load(state["high"])
+
+
+def make_kv_storage(low_bits: Optional[int], high_bits: Optional[int], window: int, group_size: int = 32) -> KVStorage:
+    """One format when both tiers agree, else older rows at `low_bits` and the newest `window` rows at
+    `high_bits` (None: the model's dtype)."""
+    if low_bits == high_bits:
+        return KVStore(low_bits, group_size)
+    return TieredKV(low_bits, high_bits, window, group_size)

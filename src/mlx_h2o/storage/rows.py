@@ -1,0 +1,114 @@
+"""Rows of K or V in (B, H, capacity, ...) buffers: written a few at a time, compacted by one gather
+that keeps chosen rows per (batch, head), read in place by the fused kernel."""
+
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from ..attention import PackedKV
+
+GROW_STEP = 256  # rows added when a buffer grows without a stated capacity (as mlx-lm's caches do)
+
+
+def grown_capacity(needed: int) -> int:
+    return -(-needed // GROW_STEP) * GROW_STEP
+
+
+def check_group_size(option: str, group_size: int, head_dim: int) -> None:
+    """Packed rows quantize whole groups of a row: `group_size` (the option named `option`) must
+    divide the head dimension."""
+    if head_dim % group_size:
+        raise ValueError(
+            f"{option}={group_size} does not divide the head dimension {head_dim}; use a group size that divides it, "
+            "or unpacked storage"
+        )
+
+
+def pad_indices(idx: mx.array, capacity: int) -> mx.array:
+    """idx (B, H, keep) padded with zeros to `capacity` columns: a gather with it leaves spare slots
+    (copies of row 0 until overwritten; nothing reads past the live length)."""
+    keep = idx.shape[2]
+    if capacity <= keep:
+        return idx
+    return mx.concatenate([idx, mx.zeros((*idx.shape[:2], capacity - keep), idx.dtype)], axis=2)
+
+
+def gather_rows(a: mx.array, idx: mx.array) -> mx.array:
+    """Rows idx (B, H, k) of a (B, H, C, ...) per (batch, head), every index < C. One `take` over
+    the flattened rows: on CPU about 3× faster than take_along_axis, which gathers element by
+    element (a 512-row K buffer of SmolLM2: 45 vs 141 µs)."""
+    B, H, C = a.shape[:3]
+    base = (mx.arange(B * H, dtype=idx.dtype) * C).reshape(B, H, 1)
+    rows = mx.take(a.reshape(B * H * C, *a.shape[3:]), (idx + base).reshape(-1), axis=0)
+    return rows.reshape(B, H, idx.shape[2], *a.shape[3:])
+
+
+class RowStore:
+    """K or V rows in one format: dense (the model's dtype, `bits=None`) or MLX's packed affine
+    format (`bits`, `group_size`), where writing quantizes only the new rows and a gather moves the
+    packed words, scales and biases as they are (no dequantize / requantize)."""
+
+    def __init__(self, bits: Optional[int] = None, group_size: int = 32):
+        self.bits, self.group_size = bits, group_size
+        self.arrays: Optional[Tuple[mx.array, ...]] = None  # dense: (x,); packed: (packed, scales, biases)
+
+    # -- format --------------------------------------------------------------------------------
+    def encode(self, x: mx.array) -> Tuple[mx.array, ...]:
+        if self.bits is None:
+            return (x,)
+        check_group_size("group_size", self.group_size, x.shape[-1])
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def decode(self, start: int, stop: int, dtype) -> mx.array:
+        """Rows [start, stop) as dense values (for converting between tiers)."""
+        rows = [a[:, :, start:stop] for a in self.arrays]
+        if self.bits is None:
+            return rows[0].astype(dtype)
+        return mx.dequantize(*rows, group_size=self.group_size, bits=self.bits).astype(dtype)
+
+    @property
+    def dtype(self):
+        """The dtype of the values stored (a packed store: its scales')."""
+        return None if self.arrays is None else self.arrays[0 if self.bits is None else 1].dtype
+
+    # -- buffer ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.arrays is None else self.arrays[0].shape[2]
+
+    def reserve(self, like: Tuple[mx.array, ...], length: int, capacity: int) -> None:
+        """Make room for `capacity` rows, keeping the first `length`; `like` gives shapes and dtypes."""
+        kept = length if self.arrays is not None else 0
+        fresh = [mx.zeros((*a.shape[:2], capacity - kept, a.shape[3]), a.dtype) for a in like]
+        if self.arrays is None:
+            self.arrays = tuple(fresh)
+        else:
+            self.arrays = tuple(mx.concatenate([a[:, :, :length], f], axis=2) for a, f in zip(self.arrays, fresh))
+
+    def write(self, start: int, rows: Tuple[mx.array, ...]) -> None:
+        n = rows[0].shape[2]
+        for a, r in zip(self.arrays, rows):
+            a[:, :, start : start + n] = r
+
+    def gather(self, idx: mx.array) -> None:
+        """Keep rows idx (B, H, k), in that order (k may exceed the rows kept: padding indices make
+        spare capacity)."""
+        self.arrays = tuple(gather_rows(a, idx) for a in self.arrays)
+
+    def drop_front(self, n: int, length: int) -> None:
+        """Forget rows [0, n) of the first `length`, keeping exactly the rest (no spare room)."""
+        self.arrays = tuple(a[:, :, n:length] for a in self.arrays)
+
+    def view(self, n: int):
+        if self.bits is None:
+            return self.arrays[0][:, :, :n]
+        return PackedKV(*(a[:, :, :n] for a in self.arrays), self.bits, self.group_size)
+
+    def nbytes(self, n: int) -> int:
+        return 0 if self.arrays is None else sum(a[:, :, :n].nbytes for a in self.arrays)
+
+    def state(self, n: int) -> List[mx.array]:
+        return [a[:, :, :n] for a in self.arrays]
+
+    def load(self, arrays: Sequence[mx.array]) -> None:
+        self.arrays = tuple(arrays)

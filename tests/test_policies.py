@@ -1,0 +1,190 @@
+"""Every registered policy (and the h2o storage variants) against mlx-lm's cache protocol: generate,
+save, load in a NEW Python process and continue token for token; trim, nbytes, make_mask (chunked
+prefill), empty, reset. Cases come from the registry, so a new policy is covered without editing
+this file (a policy with a required option other than max_kv_size must say how to fill it)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as lm_cache
+from tiny_models import tiny_model
+
+import mlx_h2o
+from mlx_h2o.evaluation import kv_bytes
+
+MODEL = dict(head_dim=64, hidden_size=128, max_position_embeddings=1024)  # head dim 64: every group size divides it
+BUDGET = 24  # entries kept by bounded policies: well below the tokens fed, so they evict
+PROMPT, FIRST, SECOND = 40, 12, 12  # tokens: prompt, generated before saving, generated after
+FIXTURES = Path(__file__).parent / "fixtures" / "saved_by_0.1.0"
+
+# Storage variants of h2o, beyond its defaults.
+VARIANTS = [
+    ("h2o", {"kv_bits": 8}),
+    ("h2o", {"kv_bits": 4}),
+    ("h2o", {"kv_bits": "mixed"}),
+    ("h2o", {"rotate": True}),
+    ("h2o", {"kv_bits": 4, "rotate": True}),
+    ("h2o", {"evict_every": 4, "score": "ema", "pin": [(2, 6)]}),
+]
+
+
+def _cases():
+    out = []
+    for name, policy in sorted(mlx_h2o.POLICIES.items()):
+        needed = [o.name for o in policy.options if o.required]
+        assert set(needed) <= {"max_kv_size"}, f"tell test_policies how to fill {needed} of {name!r}"
+        out.append((name, {"max_kv_size": BUDGET} if needed else {}))
+    return out + [(name, {"max_kv_size": BUDGET, **opts}) for name, opts in VARIANTS]
+
+
+CASES = _cases()
+IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in opts.items() if k != 'max_kv_size') or 'default'}" for name, opts in CASES]
+
+
+def _model():
+    return tiny_model("llama", **MODEL)
+
+
+def _prompt(seed=0, n=PROMPT):
+    return np.random.default_rng(seed).integers(0, 128, n).tolist()
+
+
+def _greedy(model, cache, first_token, steps):
+    """Tokens and logits of `steps` greedy steps, feeding `first_token` first."""
+    y, tokens, logits = first_token, [], []
+    for _ in range(steps):
+        out = model(mx.array([[y]]), cache=cache)[0, -1]
+        y = int(mx.argmax(out).item())
+        tokens.append(y)
+        logits.append(np.array(out.astype(mx.float32)))
+    return tokens, np.stack(logits)
+
+
+def _prefill(model, cache, tokens):
+    return int(mx.argmax(model(mx.array([tokens]), cache=cache)[0, -1]).item())
+
+
+# A fresh process: nothing of mlx-h2o has run but the import (which registers the cache classes),
+# so the attention hook is off until a loaded cache turns it on.
+FRESH_PROCESS = """
+import json, sys
+import mlx_h2o
+import mlx.core as mx, numpy as np
+from mlx_h2o import hook
+from mlx_lm.models.cache import load_prompt_cache
+sys.path.insert(0, sys.argv[2])
+import test_policies as t
+jobs = json.loads(open(sys.argv[1]).read())
+assert not hook.installed(), "importing mlx_h2o must not install the hook"
+model = t._model()
+for job in jobs:
+    cache = load_prompt_cache(job["path"])
+    tokens, logits = t._greedy(model, cache, job["last"], t.SECOND)
+    np.save(job["path"] + ".logits.npy", logits)
+    job["tokens"] = tokens
+    job["classes"] = [type(c).__name__ for c in cache]
+print(json.dumps(jobs))
+"""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Every case generated, saved, continued in this process; then loaded and continued in one
+    fresh process. Returns {case index: (reference tokens, reference logits, fresh job)}."""
+    tmp = tmp_path_factory.mktemp("caches")
+    model = _model()
+    jobs, refs = [], {}
+    for i, (name, opts) in enumerate(CASES):
+        cache = mlx_h2o.make_cache(model, name, **opts)
+        last = _greedy(model, cache, _prefill(model, cache, _prompt(i)), FIRST)[0][-1]
+        path = str(tmp / f"case{i}.safetensors")
+        lm_cache.save_prompt_cache(path, cache, {"case": IDS[i]})
+        refs[i] = _greedy(model, cache, last, SECOND)
+        jobs.append({"case": i, "path": path, "last": last})
+    manifest = tmp / "jobs.json"
+    manifest.write_text(json.dumps(jobs))
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(manifest), str(Path(__file__).parent)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    fresh = {job["case"]: job for job in json.loads(r.stdout.strip().splitlines()[-1])}
+    return {i: (refs[i], fresh[i]) for i in refs}
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
+def test_saved_cache_continues_identically_in_a_new_process(saved, case):
+    (tokens, logits), fresh = saved[case]
+    assert fresh["tokens"] == tokens
+    np.testing.assert_allclose(np.load(fresh["path"] + ".logits.npy"), logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, opts", CASES, ids=IDS)
+def test_protocol(name, opts):
+    """empty/size/nbytes/trim/make_mask/reset, with a budget larger than the text (nothing evicted),
+    where every policy must act like a full cache up to its storage precision."""
+    model = _model()
+    tokens = _prompt(7, 60)
+    opts = {**opts, "max_kv_size": 256} if "max_kv_size" in opts else opts
+    cache = mlx_h2o.make_cache(model, name, **opts)
+    assert all(c.empty() for c in cache)
+    _prefill(model, cache, tokens[:30])
+    assert not any(c.empty() for c in cache)
+    n30 = kv_bytes(cache)
+    _prefill(model, cache, tokens[30:50])
+    assert kv_bytes(cache) > n30 > 0
+
+    # trim 10 (nothing evicted, so every policy can), then continue: as good as a cache of the same
+    # policy that saw 40 tokens - equal for lossless storage; for low-bit storage the trimmed cache
+    # may hold more packed rows (its window moved on before the trim), so it is held to the same
+    # error against the full cache, with room to spare.
+    assert lm_cache.can_trim_prompt_cache(cache)
+    assert lm_cache.trim_prompt_cache(cache, 10) == 10
+    ref, full = mlx_h2o.make_cache(model, name, **opts), mlx_h2o.make_cache(model, "full")
+    for c in (ref, full):
+        _prefill(model, c, tokens[:30])
+        _prefill(model, c, tokens[30:40])
+    # A multi-token call after trimming exercises make_mask(N > 1) against the held layout.
+    chunk = mx.array([tokens[40:47]])
+    got, want, exact = (np.array(model(chunk, cache=c)) for c in (cache, ref, full))
+    assert np.abs(got - exact).max() <= 3 * np.abs(want - exact).max() + 1e-4
+    for c in cache:
+        mask = c.make_mask(5, return_array=True, window_size=None)
+        assert mask is None or mask.shape[-2] == 5
+
+    if all(hasattr(c, "reset") for c in cache):
+        for c in cache:
+            c.reset()
+        assert all(c.empty() for c in cache)
+        fresh = mlx_h2o.make_cache(model, name, **opts)
+        np.testing.assert_array_equal(
+            np.array(model(mx.array([tokens[:9]]), cache=cache)), np.array(model(mx.array([tokens[:9]]), cache=fresh))
+        )
+
+
+@pytest.mark.parametrize("name, opts", [c for c in CASES if mlx_h2o.POLICIES[c[0]].bounded], ids=lambda x: str(x))
+def test_bounded_policies_hold_a_bounded_size(name, opts):
+    model = _model()
+    tokens = _prompt(3, 120)
+    cache = mlx_h2o.make_cache(model, name, **opts)
+    _prefill(model, cache, tokens[:8])
+    sizes = []
+    for t in tokens[8:]:
+        model(mx.array([[t]]), cache=cache)
+        sizes.append(kv_bytes(cache))
+    mx.eval([c.state for c in cache])
+    slack = opts.get("evict_every", 1) - 1 + sum(e - s for s, e in opts.get("pin", ()))
+    assert all(c.size() <= BUDGET + slack for c in cache)
+    # Steady state: the bytes held stop growing once the budget is reached.
+    assert max(sizes[-40:]) <= max(sizes[50:60]) + 1
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.safetensors")), ids=lambda p: p.stem)
+def test_files_saved_by_0_1_0_fail_with_a_clear_message(path):
+    with pytest.raises(ValueError, match=r"saved by mlx-h2o 0\.1\.0 \(save format 1\).*recompute"):
+        lm_cache.load_prompt_cache(str(path))
