@@ -49,14 +49,19 @@ def worker_peer(model_path, tokens, gen, threads):
 
     llm = Llama(model_path=model_path, n_ctx=len(tokens) + gen + 8, n_threads=threads, n_threads_batch=threads,
                 n_batch=PREFILL_CHUNK, verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def greedy():  # the last evaluated position's logits (llama-cpp-python keeps no others by default)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
     t0 = time.perf_counter()
     llm.eval(tokens)
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    token = greedy()
     t1 = time.perf_counter()
     out = [token]
     for _ in range(gen - 1):
         llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = greedy()
         out.append(token)
     t2 = time.perf_counter()
     return dict(prefill_s=t1 - t0, decode_s=t2 - t1, tokens=out)
