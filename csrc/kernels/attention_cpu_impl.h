@@ -436,30 +436,28 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
     }
 
     // Online softmax: s becomes P = exp2(s - m_new); rescale the running sum and accumulator.
+    // The tile is padded with masked keys to whole vectors, so a row's sum is added up in the same
+    // order wherever the tile ends (a query row gets the same result whatever N and L its call has:
+    // chunked prefill equals one-shot prefill bit for bit).
+    const int tn8 = round_up8(tn);
     for (int r = 0; r < R; ++r) {
       float* sr = s + r * TILE;
+      for (int t = tn; t < tn8; ++t) sr[t] = NEG_INF;
       v8f mv = splat(st.m[r]);
-      int t = 0;
-      for (; t + 8 <= tn; t += 8) mv = vmax(mv, load8(sr + t));
-      float m_new = hmax(mv);
-      for (; t < tn; ++t) m_new = sr[t] > m_new ? sr[t] : m_new;
+      for (int t = 0; t < tn8; t += 8) mv = vmax(mv, load8(sr + t));
+      const float m_new = hmax(mv);
       if (m_new == NEG_INF) {  // every key so far is masked for this row
-        for (t = 0; t < tn; ++t) sr[t] = 0.0f;
+        for (int t = 0; t < tn; ++t) sr[t] = 0.0f;
         continue;
       }
       const v8f mn = splat(m_new);
       v8f sum = zeros8();
-      for (t = 0; t + 8 <= tn; t += 8) {
+      for (int t = 0; t < tn8; t += 8) {
         v8f e = exp2v(load8(sr + t) - mn);
         store8(sr + t, e);
         sum += e;
       }
-      float total = hsum(sum);
-      for (; t < tn; ++t) {
-        float e = exp2s(sr[t] - m_new);
-        sr[t] = e;
-        total += e;
-      }
+      const float total = hsum(sum);
       if (m_new != st.m[r]) {
         const float alpha = exp2s(st.m[r] - m_new);
         st.l[r] *= alpha;
