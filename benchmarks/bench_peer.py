@@ -1,7 +1,8 @@
 """mlx-h2o vs llama.cpp (llama-cpp-python) on the same GGUF, prompt and thread count: prefill and
-decode tok/s and peak RSS, at each context, for mlx-h2o's full cache and h2o(M=256); one ratio per row.
+decode tok/s and peak RSS, at each context, for mlx-h2o's full cache and h2o(M=--budget, default 256); one
+ratio per row.
 
-    python benchmarks/bench_peer.py [--quick] [--contexts 512 2048] [--gen 64] [--rounds 2] [--threads 2]
+    python benchmarks/bench_peer.py [--quick] [--contexts 512 2048] [--budget 256] [--gen 64] [--rounds 2] [--threads 2]
         [--peer-python /work/venvs/llamacpp/bin/python]
 
 llama-cpp-python is an optional benchmark dependency, never a test dependency; install it in its own
@@ -67,14 +68,14 @@ def worker_peer(model_path, tokens, gen, threads):
     return dict(prefill_s=t1 - t0, decode_s=t2 - t1, tokens=out)
 
 
-def worker_ours(tokens, gen, cache_name):
+def worker_ours(tokens, gen, cache_name, budget):
     import mlx_h2o  # BLAS shim before mlx.core  # isort: skip
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     model, _ = mlx_h2o.load()
     mlx_h2o.use_fast_cpu_attention(True)
-    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=256) if cache_name == "h2o" else mlx_h2o.make_cache(model, "full")
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=budget) if cache_name == "h2o" else mlx_h2o.make_cache(model, "full")
     out = []
     t0 = time.perf_counter()
     steps = generate_step(mx.array(tokens), model, max_tokens=gen, sampler=lambda lp: mx.argmax(lp, axis=-1),
@@ -92,7 +93,7 @@ def run_worker(args):
     if args.worker == "peer":
         r = worker_peer(args.model_path, tokens, args.gen, args.threads)
     else:
-        r = worker_ours(tokens, args.gen, args.worker.split(":", 1)[1])
+        r = worker_ours(tokens, args.gen, args.worker.split(":", 1)[1], args.budget)
     r["peak_rss_mib"] = peak_rss_mib()
     print(json.dumps(r))
 
@@ -103,7 +104,7 @@ def measure(engine, tokens, args):
     env = {**os.environ, "MLX_H2O_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads),
            "OMP_NUM_THREADS": str(args.threads)}
     cmd = [python, os.path.abspath(__file__), "--worker", engine, "--gen", str(args.gen), "--threads", str(args.threads),
-           "--model-path", args.model_path]
+           "--model-path", args.model_path, "--budget", str(args.budget)]
     r = subprocess.run(cmd, input=json.dumps(tokens), capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{engine} worker failed:\n{r.stderr[-3000:]}")
@@ -120,6 +121,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--caches", nargs="+", default=["full", "h2o"], choices=["full", "h2o"])
+    ap.add_argument("--budget", type=int, default=256, help="max_kv_size M of mlx-h2o's h2o cache")
     ap.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON, help="a python with llama-cpp-python installed")
     ap.add_argument("--quick", action="store_true", help="512 context, 32 tokens, 1 round")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -157,7 +159,7 @@ def main():
         peer = med[(ctx, "peer")]
         for engine in engines:
             m = med[(ctx, engine)]
-            name, cache = ("llama.cpp", "full") if engine == "peer" else ("mlx-h2o", "h2o(M=256)" if engine.endswith("h2o") else "full")
+            name, cache = ("llama.cpp", "full") if engine == "peer" else ("mlx-h2o", f"h2o(M={args.budget})" if engine.endswith("h2o") else "full")
             print(f"| {ctx} | {name} | {cache} | {m['prefill_tok_s']:.1f} | {m['decode_tok_s']:.1f} | {m['peak_rss_mib']:.0f} | "
                   f"{m['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x | {m['decode_tok_s'] / peer['decode_tok_s']:.2f}x | "
                   f"{m['peak_rss_mib'] / peer['peak_rss_mib']:.2f}x |")
