@@ -9,7 +9,6 @@
 // segment (src/mlx_h2o/attention.py).
 #pragma once
 
-#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -17,6 +16,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "composed_primitive.h"
 #include "kernels/attention_problem.h"
 
 namespace mlx_h2o {
@@ -56,6 +56,11 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const 
                                                       const std::optional<mx::array>& mask, const std::string& scores,
                                                       const std::optional<mx::array>& sinks, mx::StreamOrDevice s = {});
 
+/** Whether new attention ops round the queries to int8 for packed 4-/8-bit keys (integer Q K^T; the
+ *  default, MLX_H2O_ATTENTION_INT8=0 turns it off) or keep them float32. Read when an op is built. */
+bool attention_int8_queries();
+void set_attention_int8_queries(bool enabled);
+
 struct SegmentFormat {
   int k_bits = 0, k_group_size = 0, v_bits = 0, v_group_size = 0;  // bits 0: dense
   bool operator==(const SegmentFormat& o) const {
@@ -63,45 +68,35 @@ struct SegmentFormat {
   }
 };
 
-class AttentionWithScores : public mx::Primitive {
+class AttentionWithScores : public ComposedPrimitive {
  public:
   AttentionWithScores(mx::Stream stream, float scale, MaskKind mask_kind, ScoreMode score_mode, bool has_sinks,
-                      std::vector<SegmentFormat> formats)
-      : mx::Primitive(stream),
+                      std::vector<SegmentFormat> formats, bool int8_queries)
+      : ComposedPrimitive(stream),
         scale_(scale),
         mask_kind_(mask_kind),
         score_mode_(score_mode),
         has_sinks_(has_sinks),
-        formats_(std::move(formats)) {}
+        formats_(std::move(formats)),
+        int8_queries_(int8_queries) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-
-  // Transformations go through the composed definition (as mlx::core::fast::Custom does for MLX's
-  // fused ops): gradients, forward-mode derivatives and vmap of the same math, from stock ops.
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override;
-  std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array>& inputs,
-                                                          const std::vector<int>& axes) override;
+  // attention_with_scores_composed over this primitive's inputs (q, segment arrays, mask, sinks):
+  // what vjp, jvp and vmap differentiate / map.
+  std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
 
   const char* name() const override { return "AttentionWithScores"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
-  // attention_with_scores_composed over this primitive's inputs (q, segment arrays, mask, sinks).
-  std::vector<mx::array> composed(const std::vector<mx::array>& inputs);
-  // composed() as a function of the inputs at `argnums`, the others fixed to `primals`.
-  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed_in(
-      const std::vector<mx::array>& primals, const std::vector<int>& argnums);
-
   float scale_;
   MaskKind mask_kind_;
   ScoreMode score_mode_;
   bool has_sinks_;
   std::vector<SegmentFormat> formats_;
+  bool int8_queries_;
 };
 
 }  // namespace mlx_h2o

@@ -20,9 +20,9 @@ def model_text():
 
 @pytest.mark.parametrize("weights", ["quantized", "float32"])
 def test_directory_gives_the_same_logits(smollm, model_text, tmp_path, weights):
-    out = convert(tmp_path / "model", weights=None if weights == "float32" else weights)  # None: the CPU default
+    # None: the CPU default, packed weights (loading.DEFAULT_CPU_WEIGHTS); "float32" dequantizes.
+    out = convert(tmp_path / "model", weights=None if weights == "quantized" else weights)
     lm_model, lm_tokenizer = lm_load(str(out))
-    # float32 is what mlx_h2o.load() gives on the CPU by default; "quantized" keeps the GGUF's packing.
     model, tokenizer = smollm if weights == "float32" else mlx_h2o.load(weights=weights)
     tokens = tokenizer.encode(model_text)
     assert lm_tokenizer.encode(model_text) == tokens

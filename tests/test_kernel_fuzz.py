@@ -4,7 +4,8 @@ Each case draws a shape (batch, GQA ratio, query rows 1..80 around the 64-key ti
 keys 1..400, head dims incl. ones not a multiple of 8, a value head dim that may differ), a dtype, a
 mask (none, causal, boolean, additive in three dtypes, incl. fully-masked rows), optional sinks, a
 score mode, and 1-3 key segments each dense or packed (bits 2-8, groups 32/64/128, K and V in their
-own formats). A case mismatches when any output leaves the tolerance of its dtype; the test wants 0.
+own formats). The reference rounds the queries as the kernel does where it dots them in int8 (packed
+4-/8-bit keys). A case mismatches when any output leaves the tolerance of its dtype; the test wants 0.
 
 MLX_H2O_FUZZ_CASES (default 1000) scales the case count for longer local runs; MLX_H2O_FUZZ_SEED
 (default 0) picks another stream of cases.
@@ -18,7 +19,7 @@ import pytest
 from attention_reference import OUT_TOL, _f64, reference
 from test_quantized_attention import numpy_dequantize
 
-from mlx_h2o import PackedKV, attention_with_scores
+from mlx_h2o import PackedKV, _ext, attention_with_scores
 
 CASES = int(os.environ.get("MLX_H2O_FUZZ_CASES", "1000"))
 SEED = int(os.environ.get("MLX_H2O_FUZZ_SEED", "0"))
@@ -70,11 +71,14 @@ def draw_case(rng):
     lengths = [int(rng.integers(1, 200 if n_seg > 1 else 400)) for _ in range(n_seg)]
     N = sum(lengths)
     q = _array(rng, (B, Hq, L, Dk), dtype, scale=float(_pick(rng, [0.5, 1.0, 3.0])))
-    segments, ks, vs = [], [], []
+    segments, ks, vs, int8_keys = [], [], [], []
+    int8_on = _ext.attention_int8_queries()
     for i, n in enumerate(lengths):
         k = _array(rng, (B, Hkv, n, Dk), dtype)
         v = _array(rng, (B, Hkv, n, Dv), dtype)
-        kin, kd = _source(rng, k, (int(_pick(rng, BITS)), k_groups[i]) if packed[i][0] else None)
+        k_bits = int(_pick(rng, BITS))
+        int8_keys.append(np.full(n, int8_on and packed[i][0] and k_bits in (4, 8)))
+        kin, kd = _source(rng, k, (k_bits, k_groups[i]) if packed[i][0] else None)
         vin, vd = _source(rng, v, (int(_pick(rng, BITS)), v_groups[i]) if packed[i][1] else None)
         segments.append((kin, vin))
         ks.append(kd)
@@ -101,7 +105,8 @@ def draw_case(rng):
     desc = (f"B={B} Hq={Hq} Hkv={Hkv} L={L} N={lengths} Dk={Dk} Dv={Dv} {DTYPE_NAMES[dtype]} mask={kind} "
             f"sinks={sinks is not None} scores={scores} packed={packed}")
     ref_kv = (mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))
-    return dict(q=q, segments=segments, ref_kv=ref_kv, mask=mask, sinks=sinks, scores=scores, scale=scale, desc=desc)
+    return dict(q=q, segments=segments, ref_kv=ref_kv, mask=mask, sinks=sinks, scores=scores, scale=scale, desc=desc,
+                int8_keys=np.concatenate(int8_keys))
 
 
 def mismatch(case):
@@ -110,7 +115,7 @@ def mismatch(case):
     tol = OUT_TOL[DTYPE_NAMES[q.dtype]]
     out, sc = attention_with_scores(q, case["segments"], scale=case["scale"], mask=case["mask"],
                                     sinks=case["sinks"], scores=case["scores"])
-    ref_out, ref_mass, ref_logits = reference(q, *case["ref_kv"], case["scale"], case["mask"], case["sinks"])
+    ref_out, ref_mass, ref_logits = reference(q, *case["ref_kv"], case["scale"], case["mask"], case["sinks"], case["int8_keys"])
     if out.dtype != q.dtype or out.shape != ref_out.shape:
         return f"out {out.dtype} {out.shape} vs {ref_out.shape}"
     err = np.abs(_f64(out) - ref_out) - tol * (1 + np.abs(ref_out))

@@ -178,7 +178,7 @@ def test_bounded_policies_hold_a_bounded_size(name, opts):
         model(mx.array([[t]]), cache=cache)
         sizes.append(kv_bytes(cache))
     mx.eval([c.state for c in cache])
-    slack = opts.get("evict_every", 1) - 1 + sum(e - s for s, e in opts.get("pin", ()))
+    slack = sum(e - s for s, e in opts.get("pin", ()))  # pinned entries are outside the budget
     assert all(c.size() <= BUDGET + slack for c in cache)
     # Steady state: the bytes held stop growing once the budget is reached.
     assert max(sizes[-40:]) <= max(sizes[50:60]) + 1

@@ -7,11 +7,6 @@
 
 namespace mlx_h2o {
 
-void attention_cpu(const AttentionProblem& p) {
-#if defined(MLX_H2O_HAVE_AVX2_VARIANT)
-  if (kernel_isa() == KernelIsa::avx2) return avx2::attention_cpu_entry(p);
-#endif
-  portable::attention_cpu_entry(p);
-}
+void attention_cpu(const AttentionProblem& p) { MLX_H2O_DISPATCH(attention_cpu_entry, p); }
 
 }  // namespace mlx_h2o

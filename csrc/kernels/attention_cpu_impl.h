@@ -21,6 +21,7 @@
 #include "convert.h"
 #include "kv_rows.h"
 #include "work.h"
+#include "int8_dot.h"
 
 namespace mlx_h2o {
 namespace MLX_H2O_ISA_NS {
@@ -43,6 +44,7 @@ constexpr float NEG_INF = -__builtin_inff();
 struct Plan {
   int G, block_l, blocks_per_head, n_blocks, splits, split_len, wave_blocks, threads;
   int Dkp, Dvp;  // Dk, Dv rounded up to 8
+  bool int8_queries;  // some segment's keys are packed 4-/8-bit and the queries go to int8 for them
 };
 
 static Plan make_plan(const AttentionProblem& p) {
@@ -50,6 +52,11 @@ static Plan make_plan(const AttentionProblem& p) {
   pl.G = p.Hq / p.Hkv;
   pl.Dkp = round_up8(p.Dk);
   pl.Dvp = round_up8(p.Dv);
+  pl.int8_queries = false;
+  for (int i = 0; i < p.n_segments; ++i) {
+    const KVSource& k = p.segments[i].k;
+    pl.int8_queries |= p.int8_queries && p.Dk % QBLOCK == 0 && k.quantized && (k.bits == 4 || k.bits == 8);
+  }
   // ~32 rows per block: enough reuse of each K/V tile, small per-block state.
   pl.block_l = imax(1, imin(p.L, 32 / pl.G));
   pl.blocks_per_head = (p.L + pl.block_l - 1) / pl.block_l;
@@ -100,6 +107,24 @@ static inline int key_limit(const AttentionProblem& p, int l) {
 // accumulators stay in registers). Head dims are handled in multiples of 8 (D8); a dense head dim
 // that is not a multiple of 8 adds its last columns in qk_tail / pv_tail.
 
+// Storage traits: packed rows (any bits), and the packed keys the int8 query path handles.
+template <class KV>
+struct PackedRows {
+  static constexpr bool value = false;
+};
+template <int BITS, class SE>
+struct PackedRows<QuantLoader<BITS, SE>> {
+  static constexpr bool value = true;
+};
+template <class KV>
+struct Int8Keys {
+  static constexpr bool value = false;
+};
+template <int BITS, class SE>
+struct Int8Keys<QuantLoader<BITS, SE>> {
+  static constexpr bool value = BITS == 4 || BITS == 8;
+};
+
 // s[j * lds] = hsum(a[j]) for j < RR.
 template <int RR>
 static inline void store_sums(const v8f* a, float* s, int lds) {
@@ -141,19 +166,39 @@ static inline void qk_rows(const KV& K, const float* q, int ldq, const typename 
   }
 }
 
-// RR rows x NB chunks of 8 columns starting at d0 (inside one quantization group).
+// RR rows x NB chunks of 8 columns starting at d0 (inside one quantization group). Packed V:
+// sum_t p_t * (s_t * raw_t + b_t) = sum_t (p_t * s_t) * raw_t + sum_t p_t * b_t, so each value costs
+// one multiply-add per row and the bias one scalar per key and row.
 template <int RR, int NB, class KV>
 static inline void pv_block(const KV& V, const float* pr, int ldp, const typename KV::Row* rows, int tn, int d0, float* acc, int lda) {
   v8f a[RR][NB];
   for (int j = 0; j < RR; ++j)
     for (int c = 0; c < NB; ++c) a[j][c] = load8(acc + j * lda + d0 + 8 * c);
-  for (int t = 0; t < tn; ++t) {
-    const typename KV::Group gp = V.group(rows[t], d0);
-    v8f p[RR];
-    for (int j = 0; j < RR; ++j) p[j] = splat(pr[j * ldp + t]);
-    for (int c = 0; c < NB; ++c) {
-      const v8f vv = V.load(rows[t], gp, d0 + 8 * c);
-      for (int j = 0; j < RR; ++j) a[j][c] += p[j] * vv;
+  if constexpr (PackedRows<KV>::value) {
+    float bias[RR] = {};
+    for (int t = 0; t < tn; ++t) {
+      const float sc = V.scale_of(rows[t], d0), bi = V.bias_of(rows[t], d0);
+      v8f p[RR];
+      for (int j = 0; j < RR; ++j) {
+        p[j] = splat(pr[j * ldp + t] * sc);
+        bias[j] += pr[j * ldp + t] * bi;
+      }
+      for (int c = 0; c < NB; ++c) {
+        const v8f raw = KV::load_raw(rows[t], d0 + 8 * c);
+        for (int j = 0; j < RR; ++j) a[j][c] += p[j] * raw;
+      }
+    }
+    for (int j = 0; j < RR; ++j)
+      for (int c = 0; c < NB; ++c) a[j][c] += splat(bias[j]);
+  } else {
+    for (int t = 0; t < tn; ++t) {
+      const typename KV::Group gp = V.group(rows[t], d0);
+      v8f p[RR];
+      for (int j = 0; j < RR; ++j) p[j] = splat(pr[j * ldp + t]);
+      for (int c = 0; c < NB; ++c) {
+        const v8f vv = V.load(rows[t], gp, d0 + 8 * c);
+        for (int j = 0; j < RR; ++j) a[j][c] += p[j] * vv;
+      }
     }
   }
   for (int j = 0; j < RR; ++j)
@@ -217,6 +262,70 @@ static void qk_tile(const KV& K, int b, int h, int n0, int tn, const float* q, i
   if (D8 != Dk) qk_tail(K, q, ldq, R, rows, tn, D8, Dk, s, lds);
 }
 
+// The block's query rows rounded to int8 per 32 values (int8_dot.h), for packed 4-/8-bit keys: then
+// q.k = sum_g s_g * sum_{c in g} d_c * (xq_c . kq_c) + b_g * sum_{c in g} d_c * sum(xq_c), exactly
+// the rounded query times the stored key (8-bit keys dotted as kq - 128, bias shifted to match).
+struct QueryInt8 {
+  const int8_t* xq4;  // [R x Dk], the 4-bit weights' column order
+  const int8_t* xq8;  // [R x Dk], column order
+  const float* d;     // [R x Dk / 32] block scales
+  const float* bsum;  // [R x Dk / 32] d * sum(xq) per block
+  int Dk, blocks;
+  bool ready;
+};
+
+template <int BITS, int RR, class KV>
+static inline void qk_rows_int8(const KV& K, const QueryInt8& qi, int r0, const typename KV::Row* rows, int tn, float* s,
+                                int lds) {
+  using PB = PackedBlocks<BITS>;
+  using SE = typename KV::Scale;
+  constexpr int block_bytes = QBLOCK * BITS / 8;
+  const int bpg = K.group_size / QBLOCK, groups = qi.Dk / K.group_size;
+  const int8_t* xq[RR];
+  const float* d[RR];
+  const float* bs[RR];
+  for (int r = 0; r < RR; ++r) {
+    xq[r] = (BITS == 4 ? qi.xq4 : qi.xq8) + static_cast<int64_t>(r0 + r) * qi.Dk;
+    d[r] = qi.d + static_cast<int64_t>(r0 + r) * qi.blocks;
+    bs[r] = qi.bsum + static_cast<int64_t>(r0 + r) * qi.blocks;
+  }
+  for (int t = 0; t < tn; ++t) {
+    const typename KV::Row& kr = rows[t];
+    v8f a[RR];
+    float bias[RR];
+    for (int r = 0; r < RR; ++r) a[r] = zeros8(), bias[r] = 0.0f;
+    for (int g = 0; g < groups; ++g) {
+      const float sc = SE::load1(kr.scale + g);
+      const float bi = SE::load1(kr.bias + g) + PB::bias_shift * sc;
+      for (int c = g * bpg; c < (g + 1) * bpg; ++c) {
+        const typename PB::Block W = PB::load(kr.w + c * block_bytes);
+        for (int r = 0; r < RR; ++r) {
+          a[r] += __builtin_convertvector(dot_block(W, xq[r] + c * QBLOCK), v8f) * splat(sc * d[r][c]);
+          bias[r] += bi * bs[r][c];
+        }
+      }
+    }
+    store_sums<RR>(a, s + t, lds);
+    for (int r = 0; r < RR; ++r) s[r * lds + t] += bias[r];
+  }
+}
+
+// One tile of Q K^T: integer dots where the keys are packed 4-/8-bit and the queries were rounded,
+// float dots otherwise.
+template <class KV>
+static void qk_tile_any(const KV& K, const QueryInt8& qi, int b, int h, int n0, int tn, const float* q, int ldq, int R,
+                        int Dk, float* s, int lds) {
+  if constexpr (Int8Keys<KV>::value) {
+    if (qi.ready) {
+      typename KV::Row rows[TILE];
+      K.rows(b, h, n0, tn, rows);
+      for_row_groups(R, [&](auto rr, int r) { qk_rows_int8<KV::bits, decltype(rr)::value>(K, qi, r, rows, tn, s + r * lds, lds); });
+      return;
+    }
+  }
+  qk_tile(K, b, h, n0, tn, q, ldq, R, Dk, s, lds);
+}
+
 template <class KV>
 static void pv_tile(const KV& V, int b, int h, int n0, int tn, const float* pr, int ldp, int R, int Dv, float* acc, int lda) {
   typename KV::Row rows[TILE];
@@ -252,6 +361,11 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
   float* q = work;                 // [R x Dkp]
   float* s = q + R * Dkp;          // [R x TILE]
   int* limit = reinterpret_cast<int*>(s + R * TILE);  // [R]
+  const int qblocks = Dkp / QBLOCK;
+  float* qd = s + R * TILE + R;         // [R x qblocks] int8 query scales
+  float* qbsum = qd + R * qblocks;      // [R x qblocks]
+  int8_t* xq4 = reinterpret_cast<int8_t*>(qbsum + R * qblocks);  // [R x Dk]
+  int8_t* xq8 = xq4 + R * p.Dk;                                   // [R x Dk]
 
   const float qscale = p.scale * LOG2E;
   for (int li = 0; li < bk.nl; ++li) {
@@ -266,6 +380,19 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
       for (int d = 0; d < Dvp; ++d) st.acc[r * Dvp + d] = 0.0f;
     }
   }
+  QueryInt8 qi{xq4, xq8, qd, qbsum, p.Dk, qblocks, pl.int8_queries};
+  if (qi.ready) {
+    for (int r = 0; r < R; ++r) {
+      float* dr = qd + r * qblocks;
+      quantize_int8_blocks(q + r * Dkp, p.Dk, 4, xq4 + r * p.Dk, dr);
+      quantize_int8_blocks(q + r * Dkp, p.Dk, 8, xq8 + r * p.Dk, dr);
+      for (int c = 0; c < qblocks; ++c) {
+        int32_t sum = 0;
+        for (int j = 0; j < QBLOCK; ++j) sum += xq8[r * p.Dk + c * QBLOCK + j];
+        qbsum[r * qblocks + c] = dr[c] * static_cast<float>(sum);
+      }
+    }
+  }
   const int block_limit = limit[R - 1];  // rows are ordered by position: the last sees the most
   const int n_stop = imin(n_end, block_limit + 1);
 
@@ -274,7 +401,7 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
     while (n0 >= p.segments[seg].begin + p.segments[seg].length) ++seg;
     const KVSegment& sg = p.segments[seg];
     const int tn = imin(TILE, imin(n_stop, sg.begin + sg.length) - n0);  // tiles never straddle segments
-    with_loader(sg.k, [&](const auto& K) { qk_tile(K, bk.b, bk.h, n0 - sg.begin, tn, q, Dkp, R, p.Dk, s, TILE); });
+    with_loader(sg.k, [&](const auto& K) { qk_tile_any(K, qi, bk.b, bk.h, n0 - sg.begin, tn, q, Dkp, R, p.Dk, s, TILE); });
 
     // Masks.
     if (p.mask_kind == MaskKind::causal) {
@@ -309,30 +436,28 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
     }
 
     // Online softmax: s becomes P = exp2(s - m_new); rescale the running sum and accumulator.
+    // The tile is padded with masked keys to whole vectors, so a row's sum is added up in the same
+    // order wherever the tile ends (a query row gets the same result whatever N and L its call has:
+    // chunked prefill equals one-shot prefill bit for bit).
+    const int tn8 = round_up8(tn);
     for (int r = 0; r < R; ++r) {
       float* sr = s + r * TILE;
+      for (int t = tn; t < tn8; ++t) sr[t] = NEG_INF;
       v8f mv = splat(st.m[r]);
-      int t = 0;
-      for (; t + 8 <= tn; t += 8) mv = vmax(mv, load8(sr + t));
-      float m_new = hmax(mv);
-      for (; t < tn; ++t) m_new = sr[t] > m_new ? sr[t] : m_new;
+      for (int t = 0; t < tn8; t += 8) mv = vmax(mv, load8(sr + t));
+      const float m_new = hmax(mv);
       if (m_new == NEG_INF) {  // every key so far is masked for this row
-        for (t = 0; t < tn; ++t) sr[t] = 0.0f;
+        for (int t = 0; t < tn; ++t) sr[t] = 0.0f;
         continue;
       }
       const v8f mn = splat(m_new);
       v8f sum = zeros8();
-      for (t = 0; t + 8 <= tn; t += 8) {
+      for (int t = 0; t < tn8; t += 8) {
         v8f e = exp2v(load8(sr + t) - mn);
         store8(sr + t, e);
         sum += e;
       }
-      float total = hsum(sum);
-      for (; t < tn; ++t) {
-        float e = exp2s(sr[t] - m_new);
-        sr[t] = e;
-        total += e;
-      }
+      const float total = hsum(sum);
       if (m_new != st.m[r]) {
         const float alpha = exp2s(st.m[r] - m_new);
         st.l[r] *= alpha;
@@ -356,7 +481,8 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
 }
 
 static inline int64_t attend_work_floats(const Plan& pl, int R) {
-  return static_cast<int64_t>(R) * pl.Dkp + static_cast<int64_t>(R) * TILE + R;  // q, s, limits
+  const int64_t int8_floats = pl.int8_queries ? 2 * static_cast<int64_t>(R) * (pl.Dkp / QBLOCK) + (2 * R * pl.Dkp + 3) / 4 : 0;
+  return static_cast<int64_t>(R) * pl.Dkp + static_cast<int64_t>(R) * TILE + R + int8_floats;  // q, s, limits, int8 q
 }
 
 // Combine the split partials of one block (split sp: m at parts + sp * part_stride, then l, then

@@ -11,13 +11,6 @@ namespace mlx_h2o {
 enum class MaskKind : int { none = 0, causal = 1, array = 2 };
 enum class ScoreMode : int { none = 0, mass = 1, logits = 2 };
 
-/** A strided 4-D view; strides are in elements. */
-struct View4 {
-  const void* data = nullptr;
-  ElemType type = ElemType::float32;
-  int64_t stride[4] = {0, 0, 0, 0};
-};
-
 /** One of K or V for one segment of keys. Dense: `dense` (float32/float16/bfloat16, unit stride on
  *  the last axis). Quantized (MLX's affine format): `packed` holds uint32 words of a little-endian bit
  *  stream of `bits`-bit values (element j at bit j * bits of its row), `scales` / `biases` one value
@@ -55,6 +48,9 @@ struct AttentionProblem {
   ScoreMode score_mode = ScoreMode::none;
   float* scores = nullptr;  // mass: (B, Hkv, N); logits: (B, Hq, L, N); contiguous float32
   int threads = 1;
+  // Q K^T against packed 4-/8-bit keys in integer arithmetic: each query row rounded to int8 per 32
+  // values (as quantized_matmul does with activations); off: queries stay float32.
+  bool int8_queries = true;
 };
 
 /** Runs the fused kernel for the best instruction set this CPU supports. */

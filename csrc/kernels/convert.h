@@ -114,6 +114,27 @@ static inline v8f u8x8_to_float(const uint8_t* p) {
 #endif
 }
 
+// 8 consecutive BITS-bit values of MLX's packed little-endian bit stream occupy exactly BITS bytes
+// (any 8-aligned chunk is one small load), as floats.
+template <int BITS>
+static inline v8f unpack8(const uint8_t* p) {
+  if constexpr (BITS == 8) {
+    return u8x8_to_float(p);
+  } else if constexpr (BITS == 4 || BITS == 2) {
+    uint32_t word = 0;
+    __builtin_memcpy(&word, p, BITS);
+    const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 4u * BITS, 5u * BITS, 6u * BITS, 7u * BITS};
+    return __builtin_convertvector(bitcast<v8i>((v8u{} + word) >> shifts & ((1u << BITS) - 1u)), v8f);
+  } else {  // 3, 5, 6 bits: two 32-bit halves of the BITS-byte chunk
+    uint64_t bitsv = 0;
+    __builtin_memcpy(&bitsv, p, BITS);
+    const uint32_t lo = static_cast<uint32_t>(bitsv);
+    const uint32_t hi = static_cast<uint32_t>(bitsv >> (4 * BITS));
+    const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 0u, BITS, 2u * BITS, 3u * BITS};
+    return __builtin_convertvector(bitcast<v8i>((v8u{lo, lo, lo, lo, hi, hi, hi, hi} >> shifts) & ((1u << BITS) - 1u)), v8f);
+  }
+}
+
 static inline float half_to_float_fast(uint16_t h) {
 #if defined(MLX_H2O_ISA_AVX2)
   return _cvtsh_ss(h);

@@ -38,6 +38,8 @@ struct DenseLoader {
 // exactly BITS bytes of the row's little-endian bit stream, so any 8-aligned chunk is one small load.
 template <int BITS, class ScaleElem>
 struct QuantLoader {
+  static constexpr int bits = BITS;
+  using Scale = ScaleElem;
   using S = typename ScaleElem::Storage;
   struct Row {
     const uint8_t* w;
@@ -73,24 +75,13 @@ struct QuantLoader {
     const int g = d >> group_shift;
     return Group{splat(ScaleElem::load1(r.scale + g)), splat(ScaleElem::load1(r.bias + g))};
   }
+  // The stored integers of 8 columns as floats (value = scale * raw + bias), and the group's scalars:
+  // P V factors the scale and bias out of its sum over keys.
+  static v8f load_raw(const Row& r, int d) { return unpack8<BITS>(r.w + (static_cast<unsigned>(d) >> 3) * BITS); }
+  float scale_of(const Row& r, int d) const { return ScaleElem::load1(r.scale + (d >> group_shift)); }
+  float bias_of(const Row& r, int d) const { return ScaleElem::load1(r.bias + (d >> group_shift)); }
   static v8f load(const Row& r, const Group& gp, int d) {
-    const uint8_t* p = r.w + (static_cast<unsigned>(d) >> 3) * BITS;
-    v8f x;
-    if constexpr (BITS == 8) {
-      x = u8x8_to_float(p);
-    } else if constexpr (BITS == 4 || BITS == 2) {
-      uint32_t word = 0;
-      __builtin_memcpy(&word, p, BITS);
-      const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 4u * BITS, 5u * BITS, 6u * BITS, 7u * BITS};
-      x = __builtin_convertvector(bitcast<v8i>((v8u{} + word) >> shifts & ((1u << BITS) - 1u)), v8f);
-    } else {  // 3, 5, 6 bits: two 32-bit halves of the BITS-byte chunk
-      uint64_t bitsv = 0;
-      __builtin_memcpy(&bitsv, p, BITS);
-      const uint32_t lo = static_cast<uint32_t>(bitsv);
-      const uint32_t hi = static_cast<uint32_t>(bitsv >> (4 * BITS));
-      const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 0u, BITS, 2u * BITS, 3u * BITS};
-      x = __builtin_convertvector(bitcast<v8i>((v8u{lo, lo, lo, lo, hi, hi, hi, hi} >> shifts) & ((1u << BITS) - 1u)), v8f);
-    }
+    const v8f x = unpack8<BITS>(r.w + (static_cast<unsigned>(d) >> 3) * BITS);
     return x * gp.scale + gp.bias;
   }
   static float load1(const Row&, int) { return 0.0f; }  // unused: quantized head dims are multiples of 32

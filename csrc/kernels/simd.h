@@ -30,13 +30,19 @@ static inline To bitcast(From x) {
   return y;
 }
 
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) on AVX2: the order of the 4-row reduction in
+// attention_cpu_impl.h's store_sums (hadd, hadd, lane add), so a row's sum does not depend on how many
+// rows were reduced with it and a query row gets the same result in any call (chunked prefill equals
+// one-shot prefill bit for bit).
 static inline float hsum(v8f v) {
 #if defined(MLX_H2O_ISA_AVX2)
   __m256 x = bitcast<__m256>(v);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-  return _mm_cvtss_f32(s);
+  __m128 lo = _mm256_castps256_ps128(x), hi = _mm256_extractf128_ps(x, 1);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  hi = _mm_hadd_ps(hi, hi);
+  hi = _mm_hadd_ps(hi, hi);
+  return _mm_cvtss_f32(_mm_add_ss(lo, hi));
 #else
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 #endif

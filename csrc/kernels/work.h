@@ -5,15 +5,17 @@
 namespace mlx_h2o {
 namespace MLX_H2O_ISA_NS {
 
-struct FloatBuffer {
-  float* p = nullptr;
-  explicit FloatBuffer(int64_t n) : p(n > 0 ? static_cast<float*>(__builtin_malloc(sizeof(float) * n)) : nullptr) {
+template <class T>
+struct Scratch {
+  T* p = nullptr;
+  explicit Scratch(int64_t n) : p(n > 0 ? static_cast<T*>(__builtin_malloc(sizeof(T) * n)) : nullptr) {
     if (n > 0 && !p) throw_out_of_memory();
   }
-  ~FloatBuffer() { __builtin_free(p); }
-  FloatBuffer(const FloatBuffer&) = delete;
-  FloatBuffer& operator=(const FloatBuffer&) = delete;
+  ~Scratch() { __builtin_free(p); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
 };
+using FloatBuffer = Scratch<float>;
 
 template <class F>
 static void run_parallel(int n, int threads, F& f) {

@@ -18,7 +18,7 @@ import mlx.core as mx  # noqa: E402
 
 def _add_model_args(p):
     p.add_argument("--model", default=None, help="a .gguf file or an mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--weights", default=None, choices=["float32", "bfloat16", "float16", "quantized"], help="GGUF weights: dequantized dtype or packed (default: float32 on CPU)")
+    p.add_argument("--weights", default=None, choices=["float32", "bfloat16", "float16", "quantized"], help="GGUF weights: dequantized dtype or packed (default: packed, as mlx_h2o.load())")
     p.add_argument("--attention", default="fused", choices=["fused", "stock"], help="attention on CPU: mlx-h2o's fused kernel (default) or mlx-lm's stock path")
 
 
@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
     c.add_argument("--model", default=None, help="a llama .gguf file (default: embedded SmolLM2-135M-Instruct)")
     c.add_argument("--weights", default=None, choices=["quantized", "float32", "bfloat16", "float16"],
-                   help="the GGUF's packed weights or dequantized to a dtype (default: float32 on CPU, as mlx_h2o.load())")
+                   help="the GGUF's packed weights or dequantized to a dtype (default: packed, as mlx_h2o.load())")
     c.add_argument("--force", action="store_true", help="replace an existing --out directory")
     c.set_defaults(func=cmd_convert)
     return parser

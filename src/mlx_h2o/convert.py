@@ -33,8 +33,8 @@ def model_config(model, tokenizer) -> dict:
 
 def convert(out, gguf: Optional[str] = None, weights: Optional[str] = None, force: bool = False) -> Path:
     """Write the GGUF at `gguf` (default: the embedded model) to the directory `out`; returns it.
-    `weights` as `load_gguf`'s (default: float32 on the CPU, where packed matmuls are slow; the
-    GGUF's packed weights elsewhere). An existing non-empty `out` is an error unless `force`."""
+    `weights` as `load_gguf`'s (default: the GGUF's packed weights, which
+    mlx_h2o's integer-dot kernel decodes fastest on the CPU). An existing non-empty `out` is an error unless `force`."""
     from mlx_lm.utils import save_config, save_model
 
     if weights is not None and weights not in WEIGHT_MODES:

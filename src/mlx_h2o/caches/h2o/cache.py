@@ -59,7 +59,7 @@ class H2OKVCache(AttendingCache):
         self.acc = self.positions = None  # (B, H, capacity): score accumulator, token position
         self.offset = 0  # tokens processed: RoPE position of the next token
         self.length = 0  # entries held
-        self.peak = 0  # most entries ever held at once (bound: M + evict_every - 1 + pinned)
+        self.peak = 0  # most entries ever held at once (bound: M + pinned, or a prefill chunk past it)
         self.evictions = 0
         self.scoreless = False
         self._awaiting_scores = False
