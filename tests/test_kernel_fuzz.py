@@ -19,7 +19,7 @@ import pytest
 from attention_reference import OUT_TOL, _f64, reference
 from test_quantized_attention import numpy_dequantize
 
-from mlx_h2o import PackedKV, _ext, attention_with_scores
+from mlx_h2o import PackedKV, _ops, attention_with_scores
 
 CASES = int(os.environ.get("MLX_H2O_FUZZ_CASES", "1000"))
 SEED = int(os.environ.get("MLX_H2O_FUZZ_SEED", "0"))
@@ -72,7 +72,7 @@ def draw_case(rng):
     N = sum(lengths)
     q = _array(rng, (B, Hq, L, Dk), dtype, scale=float(_pick(rng, [0.5, 1.0, 3.0])))
     segments, ks, vs, int8_keys = [], [], [], []
-    int8_on = _ext.attention_int8_queries()
+    int8_on = _ops.int8_queries()
     for i, n in enumerate(lengths):
         k = _array(rng, (B, Hkv, n, Dk), dtype)
         v = _array(rng, (B, Hkv, n, Dv), dtype)

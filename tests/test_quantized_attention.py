@@ -41,8 +41,9 @@ def quantize(x, bits, group_size):
 
 
 def int8_keys(n, bits):
-    """Which of n packed keys the kernel dots with int8 queries (4-/8-bit ones, when enabled)."""
-    return np.full(n, bits in (4, 8) and mlx_h2o._ext.attention_int8_queries())
+    """Which of n packed keys the kernel dots with int8 queries (4-/8-bit ones, when enabled; never
+    with MLX_H2O_OPS=mlx, whose mx.fast op keeps float32 queries)."""
+    return np.full(n, bits in (4, 8) and mlx_h2o._ops.int8_queries())
 
 
 def _quantized_fn(bits, group_size):

@@ -11,7 +11,9 @@ and `set_implementation()` at run time (tests and benchmarks compare both in one
 mx.fast's ops take one K/V pair, where the extension's op takes segments (storage tiers kept apart).
 With "mlx", a call over several segments concatenates them first: packed segments of one format stay
 packed, a mix of formats is dequantized (exactly, with float32 scales) to one dense K or V. The
-composed reference (`composed=True`) always comes from the extension.
+composed reference (`composed=True`) always comes from the extension. The extension's int8-query
+option (packed 4-/8-bit keys dotted with queries rounded to int8) has no counterpart in mx.fast, whose
+quantized op keeps float32 queries; `int8_queries()` says which applies.
 """
 
 import os
@@ -58,6 +60,13 @@ def set_implementation(choice: str) -> str:
     previous = implementation()
     _current = _resolve(choice)
     return previous
+
+
+def int8_queries() -> bool:
+    """Whether the implementation in use dots packed 4-/8-bit keys with int8-rounded queries: the
+    extension's option (`_ext.set_attention_int8_queries`, on by default). mx.fast's quantized op
+    always takes float32 queries: it is defined as attention on the dequantized K/V."""
+    return implementation() == "ext" and _ext.attention_int8_queries()
 
 
 def _dense(packed, bits, group_size):
