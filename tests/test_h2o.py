@@ -616,7 +616,7 @@ def test_low_bit_caches_save_load_and_trim(tmp_path):
 @pytest.mark.parametrize(
     "options, match",
     [
-        (dict(kv_bits=5), r"kv_bits must be one of '8', '4', '8/4', '4/8', '8/fp', '4/fp', 'mixed'"),
+        (dict(kv_bits=5), r"kv_bits must be one of '8', '4', '8/4', '4/8', '8/fp', '4/fp', 'k8v4', 'k4v8', 'k8v4/8', 'k8v4/fp', 'mixed'"),
         (dict(kv_bits="4/2"), r"kv_bits must be one of '8', '4'"),
         (dict(kv_group_size=48), r"kv_group_size must be one of 32, 64, 128"),
         (dict(rotate="yes"), "rotate must be True or False"),

@@ -32,9 +32,14 @@ from ...options import Policy
 from ...storage import KVStorage, RotatedKV, check_group_size, gather_rows, make_kv_storage
 from .. import per_layer_caches, register_policy
 from ..base import AttendingCache
-from .eviction import buffer_capacity, eviction_plan, keep_count, recent_kept
+from .eviction import buffer_capacity, eviction_plan, keep_count, recent_kept, uses_keys
 from .options import OPTIONS, H2OConfig
 from .scoring import make_rule, max_pool
+
+
+# Per query row, the weight the running query statistics keep (about the last 20 rows): recent
+# queries, whose RoPE phases are close to the next ones'.
+QUERY_DECAY = 0.95
 
 
 def make_storage(config: H2OConfig, seed: int) -> KVStorage:
@@ -63,6 +68,10 @@ class H2OKVCache(AttendingCache):
         self.evictions = 0
         self.scoreless = False
         self._awaiting_scores = False
+        # Running mean and mean square of the (storage-space) queries per query head, and the
+        # attention scale: what expected attention (`expected`) predicts future queries from.
+        self.q_mean = self.q_sq = None
+        self.scale = None
 
     # ------------------------------------------------------------------ mlx-lm's protocol
     def size(self):
@@ -99,17 +108,21 @@ class H2OKVCache(AttendingCache):
         if self.acc is None:
             return None
         n = self.length
-        return {"rows": self.store.state(), "acc": self.acc[..., :n], "positions": self.positions[..., :n]}
+        queries = None if self.q_mean is None else {"mean": self.q_mean, "square": self.q_sq}
+        return {"rows": self.store.state(), "acc": self.acc[..., :n], "positions": self.positions[..., :n], "queries": queries}
 
     def _meta(self):
         return {"config": self.config.to_json(), "seed": self.seed, "offset": self.offset, "length": self.length,
-                "peak": self.peak, "evictions": self.evictions, "scoreless": self.scoreless}
+                "peak": self.peak, "evictions": self.evictions, "scoreless": self.scoreless, "scale": self.scale}
 
     def _restore(self, payload, meta):
         self.__init__(H2OConfig.from_json(meta["config"]), meta["seed"])
         if payload is not None:
             self.store.load(payload["rows"])
             self.acc, self.positions = payload["acc"], payload["positions"]
+            if payload.get("queries") is not None:
+                self.q_mean, self.q_sq = payload["queries"]["mean"], payload["queries"]["square"]
+        self.scale = meta.get("scale")
         self.offset, self.length, self.peak = meta["offset"], meta["length"], meta["peak"]
         self.evictions, self.scoreless = meta["evictions"], meta["scoreless"]
 
@@ -163,11 +176,35 @@ class H2OKVCache(AttendingCache):
         plan = eviction_plan(self.config, self.scoreless)
         recent = recent_kept(self.config, self.offset, keep)
         offset, recent_from = mx.array(self.offset, mx.int32), mx.array(self.offset - recent, mx.int32)
-        idx = plan(self.acc[..., :n], self.positions[..., :n], offset, recent_from, keep, capacity)
+        content = self._content() if uses_keys(self.config) and not self.scoreless else ()
+        idx = plan(self.acc[..., :n], self.positions[..., :n], offset, recent_from, keep, capacity, *content)
         self.store.gather(idx, keep, recent, capacity)
         self.acc, self.positions = gather_rows(self.acc, idx), gather_rows(self.positions, idx)
         self.length = keep
         self.evictions += 1
+
+    def _content(self):
+        """What content-aware eviction reads (eviction.eviction_plan): the held keys, dense, and the
+        running query statistics."""
+        keys, _ = self.store.read_rows()
+        if self.q_mean is None:  # no query seen (cannot happen once scores arrived): expected attention is flat
+            B, H, _, D = keys.shape
+            self.q_mean = self.q_sq = mx.zeros((B, H, D), mx.float32)
+        var = mx.maximum(self.q_sq - self.q_mean * self.q_mean, 0.0)
+        return keys, self.q_mean, var, mx.array(self.scale or 1.0, mx.float32)
+
+    def _track_queries(self, queries: mx.array, scale: float):
+        """Fold a call's query rows into the running query mean and mean square (EMA, QUERY_DECAY per row)."""
+        L = queries.shape[2]
+        q = queries.astype(mx.float32)
+        mean, square = q.mean(axis=2), (q * q).mean(axis=2)
+        if self.q_mean is None or self.q_mean.shape != mean.shape:
+            self.q_mean, self.q_sq = mean, square
+        else:
+            d = QUERY_DECAY**L
+            self.q_mean = d * self.q_mean + (1.0 - d) * mean
+            self.q_sq = d * self.q_sq + (1.0 - d) * square
+        self.scale = float(scale)
 
     def _grow(self, B, H, capacity):
         def grown(buf, dtype):
@@ -186,6 +223,8 @@ class H2OKVCache(AttendingCache):
         L = queries.shape[2]
         dtype = queries.dtype
         queries = self.store.prepare_queries(queries)  # rotated storage: <R q, R k> = <q, k>
+        if self.config.expected > 0:
+            self._track_queries(queries, scale)
 
         def op(q, mask, scores):
             return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)

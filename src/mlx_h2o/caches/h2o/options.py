@@ -16,11 +16,22 @@ SPLITS = ("heavy", "balanced", "recent", "explicit")
 SPLIT_HEAVY_FRACTION = {"heavy": 1 / 2, "balanced": 1 / 4, "recent": 1 / 8}
 SELECTIONS = ("head", "layer")
 KV_GROUP_SIZES = (32, 64, 128)
-# Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype.
+# Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype;
+# "k8v4" = 8-bit keys with 4-bit values (keys are the sensitive half), "k4v8" the reverse.
 # "mixed" = 4/8: the newest rows take most of the attention, and a row is converted once, downwards,
 # when it leaves the window.
-KV_BITS = ("8", "4", "8/4", "4/8", "8/fp", "4/fp")
+KV_BITS = ("8", "4", "8/4", "4/8", "8/fp", "4/fp", "k8v4", "k4v8", "k8v4/8", "k8v4/fp")
 KV_BITS_ALIASES = (("mixed", "4/8"), (8, "8"), (4, "4"))
+
+
+def _tier_bits(tier: str):
+    """"fp" -> None, "8" -> 8, "k8v4" -> (8, 4): a storage format (storage/kv.py)."""
+    if tier == "fp":
+        return None
+    if tier.startswith("k"):
+        k, _, v = tier[1:].partition("v")
+        return int(k), int(v)
+    return int(tier)
 
 
 def _parse_spans(name, text: str):
@@ -64,10 +75,15 @@ OPTIONS = (
     Option("obs_window", Int(0), 0, "score a prompt by what its last N tokens attend to (SnapKV; 0 = off)"),
     Option("obs_pool", Int(1), 7, "pooling width of the observation-window scores"),
     Option("pool", Int(1), 1, "rank an entry by the best priority within a centred window of N entries (1 = off)"),
+    Option("chunk", Int(1), 1, "rank and evict contiguous chunks of N positions by their summed priority (ChunkKV; 1 = single entries)"),
+    Option("expected", Float(0.0, 1.0), 0.0,
+           "weight of the expected attention of future queries (running query mean and variance) in the priority (Expected Attention; 0 = off)"),
+    Option("redundancy", Float(0.0, 1.0), 0.0,
+           "discount for keys a newer key repeats: priority x (1 - w x cosine similarity) (R-KV; 0 = off)"),
     Option("pin", Custom(_check_spans, _parse_spans, "spans `S:E;S:E`"), None,
            "token ranges never evicted (outside the budget)"),
     Option("kv_bits", Choice(KV_BITS, KV_BITS_ALIASES), None,
-           "store K/V packed: 8, 4, or OLDER/RECENT bits (`fp` = model dtype; `mixed` = 4/8); unset: model dtype"),
+           "store K/V packed: 8, 4, `k8v4` (8-bit keys, 4-bit values), or OLDER/RECENT formats (`fp` = model dtype; `mixed` = 4/8); unset: model dtype"),
     Option("kv_group_size", Choice(KV_GROUP_SIZES), 32, "values sharing one scale and bias when packed"),
     Option("rotate", Flag(), False, "rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality"),
     Option("rotate_lam", Choice(LAMBDA_MODES, ((None, "none"),)), DEFAULT_LAMBDA, "per-coordinate scale of the rotation"),
@@ -90,6 +106,9 @@ class H2OConfig:
     obs_window: int
     obs_pool: int
     pool: int
+    chunk: int
+    expected: float
+    redundancy: float
     pin: Tuple[Tuple[int, int], ...]
     kv_bits: Optional[str]
     kv_group_size: int
@@ -123,8 +142,7 @@ class H2OConfig:
         if self.kv_bits is None:
             return None, None
         older, _, recent = self.kv_bits.partition("/")
-        as_bits = lambda t: None if t == "fp" else int(t)  # noqa: E731
-        return as_bits(older), as_bits(recent or older)
+        return _tier_bits(older), _tier_bits(recent or older)
 
     def to_json(self) -> dict:
         return asdict(self)
