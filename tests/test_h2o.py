@@ -49,13 +49,56 @@ def _greedy_logits(model, cache, token, steps):
 
 
 # ----------------------------------------------------------------------------- NumPy references
-def _np_priority(cfg, acc, pos, offset):
-    if cfg.score == "normalised":
-        return acc / (offset - pos).astype(np.float32)
-    return acc
+def _np_expected(keys, q_mean, q_var, scale):
+    """Expected attention, written out per (b, kv head, query head of its group)."""
+    B, H, N, D = keys.shape
+    G = q_mean.shape[1] // H
+    out = np.zeros((B, H, N))
+    for b in range(B):
+        for h in range(H):
+            for g in range(G):
+                j = h * G + g
+                logit = np.array([scale * q_mean[b, j] @ k + 0.5 * scale**2 * (q_var[b, j] * k * k).sum() for k in keys[b, h].astype(np.float64)])
+                p = np.exp(logit - logit.max())
+                out[b, h] += N * p / p.sum()
+    return out
 
 
-def _np_keep(cfg, acc, pos, offset, L):
+def _np_redundancy(keys):
+    B, H, N, D = keys.shape
+    out = np.zeros((B, H, N))
+    for b in range(B):
+        for h in range(H):
+            c = keys[b, h].astype(np.float64) - keys[b, h].astype(np.float64).mean(axis=0)
+            for i in range(N):
+                sims = [c[i] @ c[j] / max(np.linalg.norm(c[i]) * np.linalg.norm(c[j]), 1e-6) for j in range(i + 1, N)]
+                out[b, h, i] = min(max(max(sims, default=0.0), 0.0), 1.0)
+    return out
+
+
+def _np_chunk(prio, pos, chunk):
+    if chunk <= 1:
+        return prio
+    out = np.empty_like(prio)
+    for b in range(prio.shape[0]):
+        for h in range(prio.shape[1]):
+            cid = pos[b, h] // chunk
+            for i in range(prio.shape[2]):
+                out[b, h, i] = prio[b, h][cid == cid[i]].sum()
+    return out
+
+
+def _np_priority(cfg, acc, pos, offset, content=None):
+    """content: (held keys (B, H, P, D), query mean, query variance (B, Hq, D), scale)."""
+    prio = acc / (offset - pos).astype(np.float32) if cfg.score == "normalised" else acc
+    if cfg.expected > 0:
+        prio = (1 - cfg.expected) * prio + cfg.expected * _np_expected(*content)
+    if cfg.redundancy > 0:
+        prio = prio * (1 - cfg.redundancy * _np_redundancy(content[0]))
+    return _np_chunk(prio, pos, cfg.chunk)
+
+
+def _np_keep(cfg, acc, pos, offset, L, content=None):
     """The selection rule, written out: positions kept per (b, h) before appending L tokens."""
     M, e = cfg.max_kv_size, cfg.evict_every
     P = pos.shape[-1]
@@ -67,7 +110,7 @@ def _np_keep(cfg, acc, pos, offset, L):
     if keep >= P:
         return pos
     recent_old = max(target - cfg.sink - cfg.heavy, 0)
-    prio = _np_priority(cfg, acc, pos, offset)
+    prio = _np_priority(cfg, acc, pos, offset, content)
     protected = (pos < cfg.sink) | (pos >= offset - recent_old)
     for a, b in cfg.pin:
         protected |= (pos >= a) & (pos < b)
@@ -139,6 +182,11 @@ SCHEDULE = [5] + [1] * 40 + [7] + [1] * 25 + [12] + [1] * 10
         dict(score="normalised", evict_every=3, pin=[(6, 9), (20, 22)]),
         dict(score="ema", obs_window=3, obs_pool=3, split="balanced"),
         dict(score="cumulative", split="explicit", sink=2, heavy=9, recent=5),
+        dict(score="normalised", chunk=4),
+        dict(score="cumulative", chunk=3, evict_every=2),
+        dict(score="normalised", expected=0.6),
+        dict(score="normalised", redundancy=0.7, evict_every=3),
+        dict(score="ema", expected=0.3, redundancy=0.5, chunk=2),
     ],
 )
 def test_eviction_and_scores_match_numpy_reference(options):
@@ -148,9 +196,14 @@ def test_eviction_and_scores_match_numpy_reference(options):
     B, Hkv, G, D = 2, 2, 3, 8
     scale = D**-0.5
     ref_keys = {}  # (b, h, position) -> key vector
+    q_mean = q_sq = None  # running query statistics (expected attention)
     evicted = 0
     for L in SCHEDULE:
         before = (np.array(cache.acc[..., : cache.length]), np.array(cache.positions[..., : cache.length])) if cache.length else None
+        content = None
+        if before is not None and (cfg.expected or cfg.redundancy):
+            held = np.stack([[[ref_keys[b, h, p] for p in before[1][b, h]] for h in range(Hkv)] for b in range(B)])
+            content = (held, q_mean, np.maximum(q_sq - q_mean**2, 0), scale)
         k = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
         v = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
         offset = cache.offset
@@ -158,7 +211,7 @@ def test_eviction_and_scores_match_numpy_reference(options):
         pos = np.array(cache.positions[..., : cache.length])
         new = np.broadcast_to(np.arange(offset, offset + L), (B, Hkv, L))
         if before is not None:
-            kept = _np_keep(cfg, *before, offset, L)
+            kept = _np_keep(cfg, *before, offset, L, content)
             evicted += kept.shape[-1] < before[1].shape[-1]
             np.testing.assert_array_equal(pos, np.concatenate([kept, new], axis=-1))
         assert cache.length <= cfg.max_kv_size + cfg.evict_every - 1 + cfg.pinned_before(cache.offset) or L > 1
@@ -171,6 +224,10 @@ def test_eviction_and_scores_match_numpy_reference(options):
             for h in range(Hkv):
                 np.testing.assert_array_equal(kk[b, h], np.stack([ref_keys[b, h, p] for p in pos[b, h]]))
         q = rng.standard_normal((B, Hkv * G, L, D)).astype(np.float32)
+        q[:, :, :, 0] += 2.0  # a query direction the statistics can find
+        d = 0.95**L
+        q_mean = q.mean(axis=2) if q_mean is None else d * q_mean + (1 - d) * q.mean(axis=2)
+        q_sq = (q * q).mean(axis=2) if q_sq is None else d * q_sq + (1 - d) * (q * q).mean(axis=2)
         acc = np.array(cache.acc[..., : cache.length])
         out = cache.attend(mx.array(q), keys, values, scale=scale, mask="causal" if L > 1 else None)
         ref_out, ref_acc = _np_update(cfg, acc, q, kk, np.array(values), scale, L, cfg.obs_window, cfg.obs_pool)
@@ -192,7 +249,8 @@ class KeptPositionsReference(lm_cache.KVCache):
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         N, L = keys.shape[2], queries.shape[2]
-        held = self.twin.positions[..., : self.twin.length]  # (B, Hc, n)
+        # (B, Hc, n); per-head budgets keep a padded rectangle whose empty slots never match a position.
+        held = self.twin.positions if hasattr(self.twin, "head_lengths") else self.twin.positions[..., : self.twin.length]
         held = (mx.arange(N)[None, None, :, None] == held[:, :, None, :]).any(axis=-1)  # (B, Hc, N)
         allowed = held[:, :, None, :] & (mx.arange(N)[None, :] <= mx.arange(N - L, N)[:, None])
         allowed = mx.repeat(allowed, queries.shape[1] // allowed.shape[1], axis=1)
@@ -648,3 +706,130 @@ def test_16k_decode_soak_holds_a_bounded_number_of_entries():
         mx.eval(y, [c.acc for c in cache])
         assert all(c.size() <= M for c in cache), i
     assert all(c.offset == 32 + steps - 1 and c.peak <= M and c.evictions > steps - M for c in cache)
+
+
+# ----------------------------------------------------------------------------- budgets per layer
+def test_layer_budget_splits_keep_the_total():
+    from mlx_h2o.caches.h2o.budgets import MIN_LAYER_FRACTION, layer_budgets, pyramid_weights, split_total
+
+    cfg = H2OConfig.build(64)
+    for weights in ([1.0] * 5, pyramid_weights(7), [0.1, 5.0, 2.0, 0.0, 3.3, 1.0], [4.6, 1.9, 3.0]):
+        budgets = layer_budgets(cfg, weights)
+        assert sum(budgets) == 64 * len(weights) and min(budgets) >= MIN_LAYER_FRACTION * 64
+        # Above the floor, budgets follow the weights.
+        order = np.argsort(weights, kind="stable")
+        assert all(budgets[a] <= budgets[b] for a, b in zip(order, order[1:]))
+    assert layer_budgets(cfg, [1.0] * 4) == [64] * 4
+    assert split_total(10, [1, 1, 1], 2) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
+    with pytest.raises(ValueError, match="cannot give"):
+        split_total(5, [1, 1, 1], 2)
+
+
+def test_attention_entropy_matches_numpy():
+    from mlx_h2o.caches.h2o.budgets import attention_entropy
+
+    mass = np.random.default_rng(0).random((2, 3, 17)).astype(np.float32) ** 4
+    p = mass / mass.sum(-1, keepdims=True)
+    assert attention_entropy(mx.array(mass)).item() == pytest.approx((-(p * np.log(p)).sum(-1)).mean(), rel=1e-5)
+
+
+@pytest.mark.parametrize("layer_budget", ["pyramid", "dispersion"])
+def test_layer_budgets_keep_the_uniform_total(layer_budget):
+    from mlx_h2o.caches.h2o.budgets import layer_budgets, pyramid_weights
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    M = 24
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, layer_budget=layer_budget)
+    _step_logits(model, _tokens(90, seed=9, batch=2), cache)
+    budgets = [c.config.max_kv_size for c in cache]
+    assert sum(budgets) == 4 * M and len(set(budgets)) > 1
+    for c in cache:
+        assert c.size() <= c.config.max_kv_size and c.evictions > 0 and c.budget_allocated
+        assert c.config.recent == H2OConfig.build(M).recent or c.config.heavy == 0  # the window keeps its size
+    if layer_budget == "pyramid":
+        assert budgets == layer_budgets(H2OConfig.build(M), pyramid_weights(4)) and budgets[0] > budgets[-1]
+    else:
+        g = cache[0].budget_group
+        entropy = [e / n for e, n in zip(g.entropy, g.calls)]
+        assert budgets == layer_budgets(H2OConfig.build(M), entropy) and min(g.calls) > 0
+        # Saved and loaded, a layer keeps its budget.
+        again = H2OKVCache.from_state(cache[1].state, cache[1].meta_state)
+        assert again.config == cache[1].config and again.budget_allocated
+
+
+def test_layer_budget_dispersion_needs_mass_scores():
+    with pytest.raises(ValueError, match="dispersion"):
+        H2OConfig.build(16, layer_budget="dispersion", score="logit_ema")
+
+
+# ----------------------------------------------------------------------------- budgets per head
+def _np_adaptive(prio, protected, valid, keep_total, heavy):
+    from mlx_h2o.caches.h2o.budgets import ADAKV_FLOOR
+
+    B, H, C = prio.shape
+    floor = int(np.ceil(ADAKV_FLOOR * heavy))
+    out = np.zeros(prio.shape, bool)
+    for b in range(B):
+        forced = protected[b] & valid[b]
+        for h in range(H):
+            open_ = [j for j in range(C) if valid[b, h, j] and not protected[b, h, j]]
+            for j in sorted(open_, key=lambda j: -prio[b, h, j])[:floor]:
+                forced[h, j] = True
+        rest = sorted(((h, j) for h in range(H) for j in range(C) if valid[b, h, j] and not forced[h, j]), key=lambda t: -prio[b][t])
+        out[b] = forced
+        for t in rest[: keep_total - forced.sum()]:
+            out[b][t] = True
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_adaptive_head_selection_matches_numpy(seed):
+    from mlx_h2o.caches.h2o.budgets import adaptive_head_selection
+
+    rng = np.random.default_rng(seed)
+    B, H, C = 2, 3, 40
+    lengths = rng.integers(25, C + 1, (B, H))
+    valid = np.arange(C)[None, None] < lengths[..., None]
+    prio = rng.random((B, H, C)).astype(np.float32) * rng.choice([0.1, 1, 10], (1, H, 1))  # heads differ in scale
+    protected = valid & (rng.random((B, H, C)) < 0.15)
+    keep = int(valid.sum(axis=(1, 2)).min()) - 12
+    got = np.array(adaptive_head_selection(mx.array(prio), mx.array(protected), mx.array(valid), keep, heavy=10))
+    np.testing.assert_array_equal(got, _np_adaptive(prio, protected, valid, keep, 10))
+    assert (got.sum(axis=(1, 2)) == keep).all() and not (got & ~valid).any() and (got | ~protected).all()
+
+
+@pytest.mark.parametrize("options", [dict(), dict(evict_every=3), dict(evict_every=2, kv_bits=8), dict(chunk=4, layer_budget="pyramid")])
+def test_adaptive_heads_equal_full_cache_masked_per_head(options):
+    from mlx_h2o.caches.h2o import AdaptiveHeadsKVCache
+
+    model = tiny_model("llama", head_dim=32)
+    x = _tokens(130, seed=11, batch=2)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, head_budget="adaptive", **options)
+    assert all(isinstance(c, AdaptiveHeadsKVCache) for c in cache)
+    if "kv_bits" in options:  # packed rows are a quantized copy of what a reference would see
+        _step_logits(model, x, cache)
+    else:
+        assert _lockstep(model, x, cache, chunk_at=(60, 100)) < 1e-4
+    for c in cache:
+        n = c.head_lengths
+        M, e = c.config.max_kv_size, c.config.evict_every
+        assert (n.sum(axis=1) <= 2 * (M + e - 1)).all() and c.evictions > 10
+        assert (c.store.lengths == n).all()
+        # No padding stored: the K/V bytes are exactly the rows the heads hold.
+        row = 2 * 32 * (4 if "kv_bits" not in options else 1 + 2 * 4 / 32)
+        assert c.store.nbytes() == pytest.approx(n.sum() * row)
+    assert any(len(set(c.head_lengths.ravel())) > 1 for c in cache)  # heads really differ
+
+
+def test_adaptive_heads_reject_what_they_cannot_do():
+    for bad in (dict(select="layer"), dict(obs_window=4), dict(expected=0.5), dict(redundancy=0.5), dict(rotate=True)):
+        with pytest.raises(ValueError, match="adaptive"):
+            H2OConfig.build(16, head_budget="adaptive", **bad)
+    model = tiny_model("llama")
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=16, head_budget="adaptive")
+    assert cache[0].make_mask(4, return_array=True).shape == (4, 4)  # nothing held yet: one mask serves all heads
+    _step_logits(model, _tokens(60, batch=2), cache)
+    ragged = [c for c in cache if len(set(c.head_lengths.ravel())) > 1]
+    assert ragged
+    with pytest.raises(ValueError, match="mask"):
+        ragged[0].make_mask(4, return_array=True)

@@ -17,7 +17,7 @@ from tiny_models import tiny_model
 
 import mlx_h2o
 
-MODEL = dict(head_dim=64, hidden_size=128)  # head dim 64: every packed group size divides it
+MODEL = dict(head_dim=64, hidden_size=128, max_position_embeddings=4096)  # head dim 64: every packed group size divides it; a context length for `reserved`
 BUDGET = 24  # entries kept by bounded policies: well below the tokens fed, so they evict
 PROMPT, FIRST, SECOND = 40, 12, 12  # tokens: prompt, generated before saving, generated after
 FIXTURES = Path(__file__).parent / "fixtures" / "saved_by_0.1.0"
@@ -30,6 +30,12 @@ VARIANTS = [
     ("h2o", {"rotate": True}),
     ("h2o", {"kv_bits": 4, "rotate": True}),
     ("h2o", {"evict_every": 4, "score": "ema", "pin": [(2, 6)]}),
+    ("h2o", {"kv_bits": "k8v4"}),
+    ("h2o", {"chunk": 4, "expected": 0.5, "redundancy": 0.5}),
+    ("h2o", {"head_budget": "adaptive"}),
+    ("h2o", {"head_budget": "adaptive", "kv_bits": "mixed", "evict_every": 2}),
+    ("h2o", {"layer_budget": "pyramid"}),
+    ("h2o", {"layer_budget": "dispersion"}),
 ]
 
 
@@ -174,7 +180,10 @@ def test_bounded_policies_hold_a_bounded_size(name, opts):
         sizes.append(sum(c.nbytes for c in cache))
     mx.eval([c.state for c in cache])
     slack = opts.get("evict_every", 1) - 1 + sum(e - s for s, e in opts.get("pin", ()))
-    assert all(c.size() <= BUDGET + slack for c in cache)
+    # Per-layer budgets (h2o layer_budget) move entries between layers at the same total.
+    budgets = [c.config.max_kv_size if hasattr(c, "config") else BUDGET for c in cache]
+    assert sum(budgets) == BUDGET * len(cache)
+    assert all(c.size() <= m + slack for c, m in zip(cache, budgets))
     # Steady state: the bytes held stop growing once the budget is reached.
     assert max(sizes[-40:]) <= max(sizes[50:60]) + 1
 

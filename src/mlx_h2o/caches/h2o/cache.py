@@ -1,4 +1,4 @@
-"""`H2OKVCache`: the heavy-hitter cache of one layer, and the "h2o" policy that builds one per layer.
+"""`H2OKVCache`: the heavy-hitter cache of one layer.
 
 Per kv head the cache keeps M = sink + heavy + recent entries: the first `sink` tokens, the `heavy`
 highest-priority middle tokens and the `recent` last tokens, plus any pinned spans (outside M).
@@ -28,12 +28,11 @@ import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
 from ...attention import attention_with_scores
-from ...options import Policy
 from ...storage import KVStorage, RotatedKV, check_group_size, gather_rows, make_kv_storage
-from .. import per_layer_caches, register_policy
 from ..base import AttendingCache
+from .budgets import LayerBudgetGroup, attention_entropy
 from .eviction import buffer_capacity, eviction_plan, keep_count, recent_kept, uses_keys
-from .options import OPTIONS, H2OConfig
+from .options import H2OConfig
 from .scoring import make_rule, max_pool
 
 
@@ -53,8 +52,13 @@ class H2OKVCache(AttendingCache):
     """Sink + heavy hitters + recent window, per kv head; see the module docstring."""
 
     def __init__(self, config: H2OConfig, seed: int = 0):
-        self.config = config
+        self.config = config  # this layer's: M may differ from the policy's (layer_budget, budgets.py)
         self.seed = seed  # of this layer's rotation (rotate=True)
+        # layer_budget="dispersion": the model's caches share a group that fixes every layer's M
+        # when the first one fills (budgets.py); a loaded cache keeps the budget it was saved with.
+        self.budget_group: Optional[LayerBudgetGroup] = None
+        self.budget_index = 0
+        self.budget_allocated = config.layer_budget != "dispersion"
         self.rule = make_rule(config.score, config.decay)
         self.reset()
 
@@ -113,7 +117,8 @@ class H2OKVCache(AttendingCache):
 
     def _meta(self):
         return {"config": self.config.to_json(), "seed": self.seed, "offset": self.offset, "length": self.length,
-                "peak": self.peak, "evictions": self.evictions, "scoreless": self.scoreless, "scale": self.scale}
+                "peak": self.peak, "evictions": self.evictions, "scoreless": self.scoreless, "scale": self.scale,
+                "budget_allocated": self.budget_allocated}
 
     def _restore(self, payload, meta):
         self.__init__(H2OConfig.from_json(meta["config"]), meta["seed"])
@@ -123,6 +128,7 @@ class H2OKVCache(AttendingCache):
             if payload.get("queries") is not None:
                 self.q_mean, self.q_sq = payload["queries"]["mean"], payload["queries"]["square"]
         self.scale = meta.get("scale")
+        self.budget_allocated = meta.get("budget_allocated", True)
         self.offset, self.length, self.peak = meta["offset"], meta["length"], meta["peak"]
         self.evictions, self.scoreless = meta["evictions"], meta["scoreless"]
 
@@ -141,6 +147,7 @@ class H2OKVCache(AttendingCache):
             )
         if N == 1:
             return None  # a single query sees every held entry
+        self._allocate_budgets(N)
         if return_array:
             keep = keep_count(self.config, self.length, self.offset, N)
             return create_causal_mask(N, self.length if keep is None else keep)
@@ -156,19 +163,26 @@ class H2OKVCache(AttendingCache):
         if self.acc is None and self.config.kv_bits is not None:
             for x in (keys, values):
                 check_group_size("kv_group_size", self.config.kv_group_size, x.shape[-1])
+        self._allocate_budgets(L)
         keep = keep_count(self.config, self.length, self.offset, L) if self.acc is not None else None
         if keep is not None:
             self._evict(keep, buffer_capacity(self.config, self.offset, keep + L))
+        out = self._append(keys, values)
+        self.offset += L
+        self.length += L
+        self.peak = max(self.peak, self.length)
+        self._awaiting_scores = True
+        return out
+
+    def _append(self, keys: mx.array, values: mx.array):
+        """Store the new rows after the held ones, with fresh bookkeeping; what update_and_fetch returns."""
+        B, H, L, _ = keys.shape
         P = self.length
         if self.acc is None or P + L > self.acc.shape[2]:
             self._grow(B, H, buffer_capacity(self.config, self.offset, P + L))
         self.store.append(keys, values, self.acc.shape[2])
         self.acc[..., P : P + L] = mx.zeros((B, H, L), mx.float32)
         self.positions[..., P : P + L] = mx.broadcast_to(mx.arange(self.offset, self.offset + L, dtype=mx.int32), (B, H, L))
-        self.offset += L
-        self.length = P + L
-        self.peak = max(self.peak, self.length)
-        self._awaiting_scores = True
         return self.store.fetch()
 
     def _evict(self, keep: int, capacity: int):
@@ -182,6 +196,13 @@ class H2OKVCache(AttendingCache):
         self.acc, self.positions = gather_rows(self.acc, idx), gather_rows(self.positions, idx)
         self.length = keep
         self.evictions += 1
+
+    def _allocate_budgets(self, L: int):
+        """layer_budget="dispersion": when this layer is about to evict for the first time, fix every
+        layer's budget from the entropies seen so far (all layers have seen the same tokens)."""
+        g = self.budget_group
+        if g is not None and not g.allocated and self.acc is not None and keep_count(self.config, self.length, self.offset, L) is not None:
+            g.allocate()
 
     def _content(self):
         """What content-aware eviction reads (eviction.eviction_plan): the held keys, dense, and the
@@ -216,15 +237,26 @@ class H2OKVCache(AttendingCache):
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         """Attention for this layer, folding the scores into the cache."""
+        dtype = queries.dtype
+        queries = self.store.prepare_queries(queries)  # rotated storage: <R q, R k> = <q, k>
+        if self.config.expected > 0:
+            self._track_queries(queries, scale)
+        out, raw, stats, rows, live = self._attention(queries, keys, values, scale, mask, sinks)
+        if self.budget_group is not None and not self.budget_group.allocated:
+            self.budget_group.observe(self.budget_index, attention_entropy(raw).item())
+        n = stats.shape[-1]
+        self.acc[..., :n] = self.rule.update(self.acc[..., :n], stats, rows, live)
+        self._awaiting_scores = False
+        return self.store.restore_output(out, dtype)
+
+    def _attention(self, queries, keys, values, scale, mask, sinks):
+        """The layer's attention over the held entries -> (output, the op's raw scores, per-entry
+        statistic (B, H, N) for the rule, the rows it stands for, mean entries a row attended)."""
         segments = keys if isinstance(keys, list) else [(keys, values)]
         N = sum((k.packed if hasattr(k, "packed") else k).shape[2] for k, _ in segments)
         if N != self.length:
             raise ValueError(f"attention over {N} keys but the h2o cache holds {self.length}: keys must come from update_and_fetch")
         L = queries.shape[2]
-        dtype = queries.dtype
-        queries = self.store.prepare_queries(queries)  # rotated storage: <R q, R k> = <q, k>
-        if self.config.expected > 0:
-            self._track_queries(queries, scale)
 
         def op(q, mask, scores):
             return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)
@@ -241,9 +273,7 @@ class H2OKVCache(AttendingCache):
             out, raw = op(queries, mask, self.rule.op_scores)
             stats = self.rule.stats(raw, self.acc.shape[1], L)
             live = N - (L - 1) / 2  # mean number of entries a row of the call attended (causal)
-        self.acc[..., :N] = self.rule.update(self.acc[..., :N], stats, L, live)
-        self._awaiting_scores = False
-        return self.store.restore_output(out, dtype)
+        return out, raw, stats, L, live
 
     def _lost_scores(self):
         if not self.scoreless:
@@ -263,21 +293,3 @@ def _last_rows(mask, w: int, L: int):
     if mask.ndim >= 2 and mask.shape[-2] == L:
         return mask[..., -w:, :]
     return mask
-
-
-def _h2o_caches(model, **options):
-    """H2OKVCache on every plain KVCache layer (sliding-window and other special layers keep the
-    model's own cache); layer i's rotation is seeded with i."""
-    config = H2OConfig.build(**options)
-    return per_layer_caches(model, lambda i: H2OKVCache(config, seed=i))
-
-
-register_policy(
-    Policy(
-        "h2o",
-        "sink tokens + the most-attended heavy hitters + a recent window, per kv head, scored by the fused kernel",
-        OPTIONS,
-        _h2o_caches,
-        (H2OKVCache,),
-    )
-)

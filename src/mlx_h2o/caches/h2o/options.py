@@ -15,6 +15,8 @@ SPLITS = ("heavy", "balanced", "recent", "explicit")
 # Fraction of M given to heavy hitters by each preset; the rest after the sinks is the recent window.
 SPLIT_HEAVY_FRACTION = {"heavy": 1 / 2, "balanced": 1 / 4, "recent": 1 / 8}
 SELECTIONS = ("head", "layer")
+LAYER_BUDGETS = ("uniform", "pyramid", "dispersion")
+HEAD_BUDGETS = ("uniform", "adaptive")
 KV_GROUP_SIZES = (32, 64, 128)
 # Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype;
 # "k8v4" = 8-bit keys with 4-bit values (keys are the sensitive half), "k4v8" the reverse.
@@ -80,6 +82,11 @@ OPTIONS = (
            "weight of the expected attention of future queries (running query mean and variance) in the priority (Expected Attention; 0 = off)"),
     Option("redundancy", Float(0.0, 1.0), 0.0,
            "discount for keys a newer key repeats: priority x (1 - w x cosine similarity) (R-KV; 0 = off)"),
+    Option("layer_budget", Choice(LAYER_BUDGETS), "uniform",
+           "M per layer at the same total: `uniform`, `pyramid` (1.5 M at the first layer to 0.5 M at the last; PyramidKV), "
+           "`dispersion` (by the attention entropy each layer showed until the cache first filled; CAKE)"),
+    Option("head_budget", Choice(HEAD_BUDGETS), "uniform",
+           "heavy entries per kv head: `uniform` (the same per head) or `adaptive` (one budget per layer, shared by its heads by priority; Ada-KV)"),
     Option("pin", Custom(_check_spans, _parse_spans, "spans `S:E;S:E`"), None,
            "token ranges never evicted (outside the budget)"),
     Option("kv_bits", Choice(KV_BITS, KV_BITS_ALIASES), None,
@@ -109,6 +116,8 @@ class H2OConfig:
     chunk: int
     expected: float
     redundancy: float
+    layer_budget: str
+    head_budget: str
     pin: Tuple[Tuple[int, int], ...]
     kv_bits: Optional[str]
     kv_group_size: int
@@ -132,7 +141,14 @@ class H2OConfig:
                 raise ValueError(f"heavy and recent are set by split={o['split']!r}; give split='explicit' to choose them")
             heavy = min(int(M * SPLIT_HEAVY_FRACTION[o["split"]]), M - sink)
             recent = M - sink - heavy
-        make_rule(o["score"], o["decay"])  # decay must suit the rule
+        rule = make_rule(o["score"], o["decay"])  # decay must suit the rule
+        if o["head_budget"] == "adaptive":
+            clash = {"select='layer'": o["select"] == "layer", "obs_window": o["obs_window"] > 0,
+                     "expected": o["expected"] > 0, "redundancy": o["redundancy"] > 0, "rotate": o["rotate"]}
+            if any(clash.values()):
+                raise ValueError(f"head_budget='adaptive' does not combine with {', '.join(k for k, v in clash.items() if v)}")
+        if o["layer_budget"] == "dispersion" and rule.op_scores != "mass":
+            raise ValueError(f"layer_budget='dispersion' measures attention mass; score={o['score']!r} sees logits")
         # An eviction keeps at least the sink entries of the old context: M - evict_every >= sink.
         check_int("evict_every", o["evict_every"], 1, M - sink)
         return cls(**{**o, "heavy": heavy, "recent": recent, "pin": o["pin"] or ()})
