@@ -833,3 +833,106 @@ def test_adaptive_heads_reject_what_they_cannot_do():
     assert ragged
     with pytest.raises(ValueError, match="mask"):
         ragged[0].make_mask(4, return_array=True)
+
+
+# ----------------------------------------------------------------------------- keep, don't drop
+def _np_merge(keys, values, kept, mult, acc, threshold):
+    B, H, N, D = keys.shape
+    k, v, m, a = keys.astype(np.float64).copy(), values.astype(np.float64).copy(), mult.astype(np.float64).copy(), acc.astype(np.float64).copy()
+    targets = {}
+    for b in range(B):
+        for h in range(H):
+            c = keys[b, h].astype(np.float64) - keys[b, h].astype(np.float64).mean(axis=0)
+            u = c / np.maximum(np.linalg.norm(c, axis=1, keepdims=True), 1e-6)
+            into = {}
+            for e in np.flatnonzero(~kept[b, h]):
+                cand = np.flatnonzero(kept[b, h])
+                r = cand[np.argmax(u[cand] @ u[e])]
+                targets[b, h, e] = r
+                if u[r] @ u[e] >= threshold:
+                    into.setdefault(r, []).append(e)
+            for r, es in into.items():
+                w = np.array([mult[b, h, r]] + [mult[b, h, e] for e in es], np.float64)
+                rows = [r] + es
+                k[b, h, r] = (w[:, None] * keys[b, h, rows]).sum(0) / w.sum()
+                v[b, h, r] = (w[:, None] * values[b, h, rows]).sum(0) / w.sum()
+                m[b, h, r], a[b, h, r] = w.sum(), acc[b, h, rows].sum()
+    return targets, k, v, m, a
+
+
+@pytest.mark.parametrize("threshold", [-1.0, 0.2, 0.9])
+def test_merge_evicted_matches_numpy(threshold):
+    from mlx_h2o.caches.h2o.eviction import merge_evicted
+
+    rng = np.random.default_rng(int(10 * threshold) + 20)
+    B, H, N, D, keep = 2, 2, 14, 8, 9
+    keys = rng.standard_normal((B, H, N, D)).astype(np.float32)
+    keys[:, :, 10] = keys[:, :, 3] + 0.01  # near-duplicates merge at any threshold
+    values = rng.standard_normal((B, H, N, D)).astype(np.float32)
+    kept = np.zeros((B, H, N), bool)
+    for b in range(B):
+        for h in range(H):
+            kept[b, h, rng.permutation([i for i in range(N) if i != 10])[:keep]] = True
+    mult = rng.integers(1, 4, (B, H, N)).astype(np.float32)
+    acc = rng.random((B, H, N)).astype(np.float32)
+    target, k, v, m, a = merge_evicted(*map(mx.array, (keys, values, kept)), keep, mx.array(mult), mx.array(acc), threshold)
+    targets, rk, rv, rm, ra = _np_merge(keys, values, kept, mult, acc, threshold)
+    target = np.array(target)
+    for b in range(B):
+        for h in range(H):
+            evicted = sorted(np.flatnonzero(~kept[b, h]))
+            assert sorted(target[b, h]) == sorted(targets[b, h, e] for e in evicted)
+            for j, r in enumerate(target[b, h]):
+                np.testing.assert_allclose(np.array(k)[b, h, j], rk[b, h, r], rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(np.array(v)[b, h, j], rv[b, h, r], rtol=1e-5, atol=1e-5)
+                assert np.array(m)[b, h, j] == rm[b, h, r] and np.array(a)[b, h, j] == pytest.approx(ra[b, h, r], rel=1e-5)
+    if threshold <= 0.2:
+        assert (rm > mult).any()
+
+
+def test_merged_duplicates_attend_exactly_like_the_full_cache():
+    """Tokens with identical keys and values merged into one entry with log(2) on its logit are
+    exactly the attention over both: proportional attention."""
+    cfg = H2OConfig.build(12, split="explicit", sink=2, heavy=4, recent=6, merge=0.99)
+    cache = H2OKVCache(cfg)
+    rng = np.random.default_rng(5)
+    B, H, G, D = 1, 2, 2, 8
+    base_k = rng.standard_normal((B, H, 20, D)).astype(np.float32)
+    base_v = rng.standard_normal((B, H, 20, D)).astype(np.float32)
+    # Tokens 2..7 repeat tokens 8..13: whatever of them is evicted has an identical kept twin.
+    order = list(range(2)) + list(range(8, 14)) + list(range(8, 20))
+    k_all, v_all = base_k[:, :, order], base_v[:, :, order]
+    exact_after_merge = 0
+    for t in range(k_all.shape[2]):
+        keys, values = cache.update_and_fetch(mx.array(k_all[:, :, t : t + 1]), mx.array(v_all[:, :, t : t + 1]))
+        q = rng.standard_normal((B, H * G, 1, D)).astype(np.float32)
+        out = cache.attend(mx.array(q), keys, values, scale=D**-0.5)
+        ref, _, _ = _np_attention(q, k_all[:, :, : t + 1], v_all[:, :, : t + 1], D**-0.5)
+        # While the held entries are the distinct tokens seen so far, each with its count (nothing was
+        # dropped or blended with a different key), attention must be exact.
+        held, mult = np.array(keys), np.array(cache.mult[..., : cache.length])
+        seen = {j: order[: t + 1].count(j) for j in set(order[: t + 1])}
+        for h in range(H):
+            ids = [int(np.argmin(np.abs(base_k[0, h] - r).sum(-1))) for r in held[0, h]]
+            held_counts = {}
+            for j, m in zip(ids, mult[0, h]):
+                held_counts[j] = held_counts.get(j, 0) + m
+            if held_counts == seen and np.array_equal(held[0, h], base_k[0, h, ids]):
+                group = slice(h * G, (h + 1) * G)
+                np.testing.assert_allclose(np.array(out)[:, group], ref[:, group], rtol=1e-4, atol=1e-5)
+                exact_after_merge += bool(mult[0, h].max() > 1)
+    assert cache.evictions > 0 and exact_after_merge >= 3
+
+
+def test_merge_accounts_for_every_token():
+    model = tiny_model("llama")
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=20, merge=-1.0, evict_every=2)
+    _step_logits(model, _tokens(90, seed=12, batch=2), cache)
+    for c in cache:
+        np.testing.assert_allclose(np.array(c.mult[..., : c.length]).sum(axis=-1), 90)  # every token is in some entry
+    # A threshold no pair of keys reaches merges nothing: plain h2o.
+    plain = _step_logits(model, _tokens(90, seed=12, batch=2), mlx_h2o.make_cache(model, "h2o", max_kv_size=20, evict_every=2))
+    never = _step_logits(model, _tokens(90, seed=12, batch=2), mlx_h2o.make_cache(model, "h2o", max_kv_size=20, evict_every=2, merge=0.99999))
+    np.testing.assert_allclose(never, plain, atol=1e-5)
+    with pytest.raises(ValueError, match="one storage format"):
+        H2OConfig.build(16, merge=0.5, kv_bits="mixed")

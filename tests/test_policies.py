@@ -36,6 +36,7 @@ VARIANTS = [
     ("h2o", {"head_budget": "adaptive", "kv_bits": "mixed", "evict_every": 2}),
     ("h2o", {"layer_budget": "pyramid"}),
     ("h2o", {"layer_budget": "dispersion"}),
+    ("h2o", {"merge": 0.3, "evict_every": 3}),
 ]
 
 

@@ -31,7 +31,7 @@ from ...attention import attention_with_scores
 from ...storage import KVStorage, RotatedKV, check_group_size, gather_rows, make_kv_storage
 from ..base import AttendingCache
 from .budgets import LayerBudgetGroup, attention_entropy
-from .eviction import buffer_capacity, eviction_plan, keep_count, recent_kept, uses_keys
+from .eviction import buffer_capacity, eviction_plan, keep_count, merge_evicted, recent_kept, uses_keys
 from .options import H2OConfig
 from .scoring import make_rule, max_pool
 
@@ -66,6 +66,7 @@ class H2OKVCache(AttendingCache):
         """Forget everything (an independent generation starts from scratch)."""
         self.store = make_storage(self.config, self.seed)  # K/V rows, position order
         self.acc = self.positions = None  # (B, H, capacity): score accumulator, token position
+        self.mult = None  # (B, H, capacity): tokens an entry stands for (merge; None when merge is off)
         self.offset = 0  # tokens processed: RoPE position of the next token
         self.length = 0  # entries held
         self.peak = 0  # most entries ever held at once (bound: M + evict_every - 1 + pinned)
@@ -88,7 +89,7 @@ class H2OKVCache(AttendingCache):
     def nbytes(self):
         # Stored K/V rows plus the per-entry score and position bookkeeping.
         n = self.length
-        return self.store.nbytes() + sum(a[..., :n].nbytes for a in (self.acc, self.positions) if a is not None)
+        return self.store.nbytes() + sum(a[..., :n].nbytes for a in (self.acc, self.positions, self.mult) if a is not None)
 
     def is_trimmable(self):
         return True
@@ -113,7 +114,9 @@ class H2OKVCache(AttendingCache):
             return None
         n = self.length
         queries = None if self.q_mean is None else {"mean": self.q_mean, "square": self.q_sq}
-        return {"rows": self.store.state(), "acc": self.acc[..., :n], "positions": self.positions[..., :n], "queries": queries}
+        mult = None if self.mult is None else self.mult[..., :n]
+        return {"rows": self.store.state(), "acc": self.acc[..., :n], "positions": self.positions[..., :n], "queries": queries,
+                "mult": mult}
 
     def _meta(self):
         return {"config": self.config.to_json(), "seed": self.seed, "offset": self.offset, "length": self.length,
@@ -125,6 +128,7 @@ class H2OKVCache(AttendingCache):
         if payload is not None:
             self.store.load(payload["rows"])
             self.acc, self.positions = payload["acc"], payload["positions"]
+            self.mult = payload.get("mult")
             if payload.get("queries") is not None:
                 self.q_mean, self.q_sq = payload["queries"]["mean"], payload["queries"]["square"]
         self.scale = meta.get("scale")
@@ -182,6 +186,8 @@ class H2OKVCache(AttendingCache):
             self._grow(B, H, buffer_capacity(self.config, self.offset, P + L))
         self.store.append(keys, values, self.acc.shape[2])
         self.acc[..., P : P + L] = mx.zeros((B, H, L), mx.float32)
+        if self.mult is not None:
+            self.mult[..., P : P + L] = mx.ones((B, H, L), mx.float32)
         self.positions[..., P : P + L] = mx.broadcast_to(mx.arange(self.offset, self.offset + L, dtype=mx.int32), (B, H, L))
         return self.store.fetch()
 
@@ -192,10 +198,29 @@ class H2OKVCache(AttendingCache):
         offset, recent_from = mx.array(self.offset, mx.int32), mx.array(self.offset - recent, mx.int32)
         content = self._content() if uses_keys(self.config) and not self.scoreless else ()
         idx = plan(self.acc[..., :n], self.positions[..., :n], offset, recent_from, keep, capacity, *content)
+        if self.mult is not None and not self.scoreless:
+            self._merge(idx[..., :keep], keep)
         self.store.gather(idx, keep, recent, capacity)
         self.acc, self.positions = gather_rows(self.acc, idx), gather_rows(self.positions, idx)
+        if self.mult is not None:
+            self.mult = gather_rows(self.mult, idx)
         self.length = keep
         self.evictions += 1
+
+    def _merge(self, kept_idx: mx.array, keep: int):
+        """merge: fold the entries about to be evicted into their most similar kept entries
+        (eviction.merge_evicted), rewriting those rows and their bookkeeping before the gather."""
+        n = self.length
+        kept = (mx.arange(n)[None, None, :, None] == kept_idx[:, :, None, :]).any(axis=-1)
+        keys, values = self.store.read_rows()
+        target, k, v, mult, acc = merge_evicted(keys, values, kept, keep, self.mult[..., :n], self.acc[..., :n], self.config.merge)
+        self.store.write_rows(target, k, v)
+        B, H, C = self.acc.shape
+        flat = (target + (mx.arange(B * H, dtype=target.dtype) * C).reshape(B, H, 1)).reshape(-1)
+        for name, new in (("mult", mult), ("acc", acc)):
+            a = getattr(self, name).reshape(-1)
+            a[flat] = new.reshape(-1)
+            setattr(self, name, a.reshape(B, H, C))
 
     def _allocate_budgets(self, L: int):
         """layer_budget="dispersion": when this layer is about to evict for the first time, fix every
@@ -234,6 +259,8 @@ class H2OKVCache(AttendingCache):
 
         self.acc = grown(self.acc, mx.float32)
         self.positions = grown(self.positions, mx.int32)
+        if self.config.merge is not None:
+            self.mult = grown(self.mult, mx.float32)
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         """Attention for this layer, folding the scores into the cache."""
@@ -257,6 +284,9 @@ class H2OKVCache(AttendingCache):
         if N != self.length:
             raise ValueError(f"attention over {N} keys but the h2o cache holds {self.length}: keys must come from update_and_fetch")
         L = queries.shape[2]
+
+        if self.mult is not None:
+            mask = _with_log_multiplicity(mask, self.mult[..., :N], queries.shape[1], L)
 
         def op(q, mask, scores):
             return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)
@@ -285,6 +315,20 @@ class H2OKVCache(AttendingCache):
                 stacklevel=3,
             )
         self.scoreless = True
+
+
+def _with_log_multiplicity(mask, mult: mx.array, Hq: int, L: int) -> mx.array:
+    """The attention mask plus log(multiplicity) on each entry's logit (merge): an additive
+    (B, Hq, L or 1, N) array."""
+    B, H, N = mult.shape
+    bias = mx.repeat(mx.log(mult), Hq // H, axis=1)[:, :, None, :]  # (B, Hq, 1, N)
+    if mask is None:
+        return bias
+    if isinstance(mask, str):  # "causal": row i sits at N - L + i
+        mask = mx.arange(N)[None, :] <= mx.arange(N - L, N)[:, None]
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, bias, -mx.inf)
+    return mask + bias
 
 
 def _last_rows(mask, w: int, L: int):

@@ -9,7 +9,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ...storage import grown_capacity, pad_indices
+from ...storage import gather_rows, grown_capacity, pad_indices
 from .options import H2OConfig
 from .scoring import make_rule, max_pool
 
@@ -68,14 +68,54 @@ def expected_attention(keys: mx.array, q_mean: mx.array, q_var: mx.array, scale:
     return N * mx.softmax(logits, axis=-1).sum(axis=2)
 
 
+def unit_centred(keys: mx.array) -> mx.array:
+    """Keys minus the head's mean key (keys share a common direction), scaled to unit length: their
+    dot products are the cosine similarities that tell near-duplicates apart."""
+    centred = keys - keys.mean(axis=2, keepdims=True)
+    return centred * mx.rsqrt(mx.maximum((centred * centred).sum(axis=-1, keepdims=True), 1e-12))
+
+
+def merge_evicted(keys, values, kept, n_kept: int, mult, acc, threshold: float):
+    """Keep, don't drop (CaM / D2O-style): each evicted entry whose key is within cosine similarity
+    `threshold` (unit_centred) of a kept entry's is folded into the most similar kept entry: keys and
+    values become the multiplicity-weighted means, multiplicities and score accumulators add up. The
+    merged entry then stands for all its tokens: attention adds log(multiplicity) to its logit, so
+    where keys coincide it receives the attention they all would have (token merging's proportional
+    attention).
+
+    keys, values (B, H, N, D) float32; kept (B, H, N) bool, n_kept True per (b, h); mult, acc
+    (B, H, N). Returns (target
+    (B, H, E) index of each evicted entry's merge target, and the new keys, values, mult, acc of
+    those targets, each (B, H, E, ...)): rows of unmerged evictions come back unchanged, and several
+    evicted entries sharing a target carry the same final row."""
+    B, H, N, D = keys.shape
+    unit = unit_centred(keys)
+    sim = unit @ unit.swapaxes(-1, -2)  # (B, H, N, N)
+    sim = mx.where(kept[:, :, None, :], sim, -mx.inf)
+    best = mx.argmax(sim, axis=-1)  # (B, H, N): most similar kept entry
+    best_sim = mx.take_along_axis(sim, best[..., None], axis=-1)[..., 0]
+    merges = (~kept) & (best_sim >= threshold)
+    # A[e, r] = 1 where evicted e folds into kept r.
+    assign = (mx.arange(N)[None, None, None, :] == best[..., None]) & merges[..., None]
+    w = mult.astype(mx.float32)
+    into = assign.swapaxes(-1, -2).astype(mx.float32)  # (B, H, r, e)
+    add_w = (into @ w[..., None])[..., 0]
+    total = w + add_w
+    new_k = (w[..., None] * keys + into @ (w[..., None] * keys)) / total[..., None]
+    new_v = (w[..., None] * values + into @ (w[..., None] * values)) / total[..., None]
+    new_acc = acc + (into @ acc[..., None])[..., 0]
+    evicted = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : N - n_kept]  # the evicted entries (kept sort last)
+    target = mx.take_along_axis(best, evicted, axis=-1)
+    return target, *(gather_rows(a, target) for a in (new_k, new_v, total, new_acc))
+
+
 def key_redundancy(keys: mx.array) -> mx.array:
     """How much of each key a newer held key repeats (R-KV): the largest cosine similarity, after
     removing the head's mean key (keys share a common direction), with any newer entry, clipped to
     [0, 1]; the newest entry scores 0. Of two near-duplicates the older goes first. (B, H, N, D) ->
     (B, H, N)."""
     N = keys.shape[2]
-    centred = keys - keys.mean(axis=2, keepdims=True)
-    unit = centred * mx.rsqrt(mx.maximum((centred * centred).sum(axis=-1, keepdims=True), 1e-12))
+    unit = unit_centred(keys)
     sim = unit @ unit.swapaxes(-1, -2)
     newer = mx.arange(N)[None, :] > mx.arange(N)[:, None]
     return mx.clip(mx.where(newer, sim, -1.0).max(axis=-1), 0.0, 1.0)

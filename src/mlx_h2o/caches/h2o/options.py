@@ -82,6 +82,9 @@ OPTIONS = (
            "weight of the expected attention of future queries (running query mean and variance) in the priority (Expected Attention; 0 = off)"),
     Option("redundancy", Float(0.0, 1.0), 0.0,
            "discount for keys a newer key repeats: priority x (1 - w x cosine similarity) (R-KV; 0 = off)"),
+    Option("merge", Float(-1.0, 1.0), None,
+           "keep, don't drop: fold an evicted entry into the kept entry whose key is most similar when their cosine similarity "
+           ">= this (K/V averaged, + log multiplicity on its logit; CaM / D2O); unset: evicted entries are dropped"),
     Option("layer_budget", Choice(LAYER_BUDGETS), "uniform",
            "M per layer at the same total: `uniform`, `pyramid` (1.5 M at the first layer to 0.5 M at the last; PyramidKV), "
            "`dispersion` (by the attention entropy each layer showed until the cache first filled; CAKE)"),
@@ -116,6 +119,7 @@ class H2OConfig:
     chunk: int
     expected: float
     redundancy: float
+    merge: Optional[float]
     layer_budget: str
     head_budget: str
     pin: Tuple[Tuple[int, int], ...]
@@ -144,9 +148,12 @@ class H2OConfig:
         rule = make_rule(o["score"], o["decay"])  # decay must suit the rule
         if o["head_budget"] == "adaptive":
             clash = {"select='layer'": o["select"] == "layer", "obs_window": o["obs_window"] > 0,
-                     "expected": o["expected"] > 0, "redundancy": o["redundancy"] > 0, "rotate": o["rotate"]}
+                     "expected": o["expected"] > 0, "redundancy": o["redundancy"] > 0, "rotate": o["rotate"],
+                     "merge": o["merge"] is not None}
             if any(clash.values()):
                 raise ValueError(f"head_budget='adaptive' does not combine with {', '.join(k for k, v in clash.items() if v)}")
+        if o["merge"] is not None and o["kv_bits"] is not None and "/" in str(o["kv_bits"]):
+            raise ValueError("merge rewrites kept rows in place: it needs one storage format (kv_bits without a '/')")
         if o["layer_budget"] == "dispersion" and rule.op_scores != "mass":
             raise ValueError(f"layer_budget='dispersion' measures attention mass; score={o['score']!r} sees logits")
         # An eviction keeps at least the sink entries of the old context: M - evict_every >= sink.
