@@ -15,6 +15,7 @@ import mlx_h2o
 from mlx_h2o import hook
 from mlx_h2o.caches.h2o import H2OConfig, H2OKVCache
 from mlx_h2o.caches.h2o.eviction import keep_count
+from mlx_h2o.storage import role_bits
 
 VOCAB = CONFIGS["llama"]["vocab_size"]
 
@@ -936,3 +937,80 @@ def test_merge_accounts_for_every_token():
     np.testing.assert_allclose(never, plain, atol=1e-5)
     with pytest.raises(ValueError, match="one storage format"):
         H2OConfig.build(16, merge=0.5, kv_bits="mixed")
+
+
+# ----------------------------------------------------------------------------- evicted entries at low bits
+@pytest.mark.parametrize("options", [dict(evicted_bits=4), dict(evicted_bits="k8v4", evicted_share=0.25, score="cumulative"),
+                                     dict(evicted_bits=2, kv_bits=8, evict_every=3)])
+def test_archive_attends_over_both_tiers_at_equal_bytes(options):
+    from mlx_h2o.caches.h2o import ArchiveKVCache
+
+    cfg = H2OConfig.build(16, **options)
+    cache = ArchiveKVCache(cfg)
+    plain = H2OKVCache(H2OConfig.build(16, **{k: v for k, v in options.items() if not k.startswith("evicted")}))
+    rng = np.random.default_rng(len(repr(options)))
+    B, H, G, D = 2, 2, 2, 32
+    scale = D**-0.5
+    originals = {}  # (b, h, position) -> (key, value)
+    for L in [6] + [1] * 70 + [5] + [1] * 10:
+        k = rng.standard_normal((B, H, L, D)).astype(np.float32)
+        v = rng.standard_normal((B, H, L, D)).astype(np.float32)
+        for b in range(B):
+            for h in range(H):
+                for j in range(L):
+                    originals[b, h, cache.offset + j] = (k[b, h, j], v[b, h, j])
+        for c in (cache, plain):
+            keys, values = c.update_and_fetch(mx.array(k), mx.array(v))
+            if c is cache:
+                own = (keys, values)
+        q = rng.standard_normal((B, H * G, L, D)).astype(np.float32)
+        T = cache.archive.length
+        arch_acc = None if not T else np.array(cache.archive_acc[..., :T])
+        acc = np.array(cache.acc[..., : cache.length])
+        out = cache.attend(mx.array(q), *own, scale=scale, mask="causal" if L > 1 else None)
+        plain.attend(mx.array(q), keys, values, scale=scale, mask="causal" if L > 1 else None)
+        ak, av = (np.zeros((B, H, 0, D), np.float32),) * 2 if not T else map(np.array, cache.archive.read_rows())
+        ck, cv = map(np.array, cache.store.read_rows())
+        ref, p, _ = _np_attention(q, np.concatenate([ak, ck], 2), np.concatenate([av, cv], 2), scale)
+        np.testing.assert_allclose(np.array(out), ref, rtol=1e-4, atol=1e-4)
+        mass = p.sum(axis=2).reshape(B, H, G, -1).sum(axis=2) / L
+        N = T + cache.length
+        live = N - (L - 1) / 2
+        upd = (lambda a, m: a + L * live * m) if cfg.score == "normalised" else (lambda a, m: a + L * m)
+        np.testing.assert_allclose(np.array(cache.acc[..., : cache.length]), upd(acc, mass[..., T:]), rtol=1e-4, atol=1e-6)
+        if T:
+            np.testing.assert_allclose(np.array(cache.archive_acc[..., :T]), upd(arch_acc, mass[..., :T]), rtol=1e-4, atol=1e-6)
+    # The archive holds evicted entries, quantized: each row is its original's packed copy.
+    T = cache.archive.length
+    assert T == cache.archive_size and cache.evictions > 20
+    pos = np.array(cache.archive_positions[..., :T])
+    held = np.array(cache.positions[..., : cache.length])
+    bits = role_bits(cfg.evicted_format())
+    ak, av = map(np.array, cache.archive.read_rows())
+    for b in range(B):
+        for h in range(H):
+            assert not set(pos[b, h]) & set(held[b, h]) and len(set(pos[b, h])) == T
+            for i, p in enumerate(pos[b, h]):
+                for got, orig, nb in ((ak, originals[b, h, p][0], bits[0]), (av, originals[b, h, p][1], bits[1])):
+                    want = np.array(mx.dequantize(*mx.quantize(mx.array(orig[None]), group_size=32, bits=nb), group_size=32, bits=nb))[0]
+                    if cfg.kv_bits is None:
+                        np.testing.assert_allclose(got[b, h, i], want, atol=1e-5)
+                    else:  # packed twice (the cache's format, then the archive's): close to the original
+                        assert np.abs(got[b, h, i] - orig).max() < 4 * np.abs(want - orig).max() + 0.05
+    # Equal bytes: cache + archive hold no more than the plain cache of M entries (and nearly as much).
+    assert 0.85 * plain.nbytes <= cache.nbytes <= plain.nbytes
+
+
+def test_archive_options_and_budget_split():
+    from mlx_h2o.caches.h2o.archive import row_bytes
+
+    assert row_bytes(None, 64, 64, 32, 4) == 512 and row_bytes(2, 64, 64, 32, 4) == 64 and row_bytes((8, 4), 64, 64, 32, 4) == 128
+    for bad, match in [(dict(merge=0.5), "merge"), (dict(head_budget="adaptive"), "adaptive"), (dict(layer_budget="pyramid"), "layer_budget"),
+                       (dict(evicted_share=0.99), "evicted_share")]:
+        with pytest.raises(ValueError, match=match):
+            H2OConfig.build(16, evicted_bits=4, **bad)
+    model = tiny_model("llama", head_dim=32)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=256, evicted_bits=2, evicted_share=0.5)
+    _step_logits(model, _tokens(20, batch=1), cache)
+    # fp32 rows of 2 x 32 x 4 = 256 bytes (+ 8) against 2-bit rows of 2 x (8 + 8) = 32 (+ 8).
+    assert cache[0].config.max_kv_size == 128 and cache[0].archive_size == 128 * 264 // 40

@@ -5,9 +5,10 @@ cache.py (H2OKVCache), adaptive.py (per-head budgets), policy.py (the policy).""
 
 from . import policy  # noqa: F401  (registers the policy)
 from .adaptive import AdaptiveHeadsKVCache
+from .archive import ArchiveKVCache
 from .cache import H2OKVCache, make_storage
 from .eviction import eviction_plan, select_entries
 from .options import OPTIONS, H2OConfig
 from .scoring import SCORE_RULES
 
-__all__ = ["AdaptiveHeadsKVCache", "H2OConfig", "H2OKVCache", "OPTIONS", "SCORE_RULES", "eviction_plan", "make_storage", "select_entries"]
+__all__ = ["AdaptiveHeadsKVCache", "ArchiveKVCache", "H2OConfig", "H2OKVCache", "OPTIONS", "SCORE_RULES", "eviction_plan", "make_storage", "select_entries"]

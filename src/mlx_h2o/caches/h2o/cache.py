@@ -192,14 +192,23 @@ class H2OKVCache(AttendingCache):
         return self.store.fetch()
 
     def _evict(self, keep: int, capacity: int):
+        idx, recent = self._plan(keep, capacity)
+        if self.mult is not None and not self.scoreless:
+            self._merge(idx[..., :keep], keep)
+        self._keep(idx, keep, recent, capacity)
+
+    def _plan(self, keep: int, capacity: int):
+        """(indices (B, H, capacity) of the entries to keep, first `keep` ascending, padded; the
+        recent entries protected) from the compiled plan (eviction.eviction_plan)."""
         n = self.length
         plan = eviction_plan(self.config, self.scoreless)
         recent = recent_kept(self.config, self.offset, keep)
         offset, recent_from = mx.array(self.offset, mx.int32), mx.array(self.offset - recent, mx.int32)
         content = self._content() if uses_keys(self.config) and not self.scoreless else ()
-        idx = plan(self.acc[..., :n], self.positions[..., :n], offset, recent_from, keep, capacity, *content)
-        if self.mult is not None and not self.scoreless:
-            self._merge(idx[..., :keep], keep)
+        return plan(self.acc[..., :n], self.positions[..., :n], offset, recent_from, keep, capacity, *content), recent
+
+    def _keep(self, idx: mx.array, keep: int, recent: int, capacity: int):
+        """Compact rows and bookkeeping to the entries idx (padded to `capacity`) names."""
         self.store.gather(idx, keep, recent, capacity)
         self.acc, self.positions = gather_rows(self.acc, idx), gather_rows(self.positions, idx)
         if self.mult is not None:
@@ -276,13 +285,15 @@ class H2OKVCache(AttendingCache):
         self._awaiting_scores = False
         return self.store.restore_output(out, dtype)
 
-    def _attention(self, queries, keys, values, scale, mask, sinks):
-        """The layer's attention over the held entries -> (output, the op's raw scores, per-entry
-        statistic (B, H, N) for the rule, the rows it stands for, mean entries a row attended)."""
+    def _attention(self, queries, keys, values, scale, mask, sinks, held=None):
+        """The layer's attention over the held entries (`held` of them; default: length) -> (output,
+        the op's raw scores, per-entry statistic (B, H, N) for the rule, the rows it stands for,
+        mean entries a row attended)."""
         segments = keys if isinstance(keys, list) else [(keys, values)]
         N = sum((k.packed if hasattr(k, "packed") else k).shape[2] for k, _ in segments)
-        if N != self.length:
-            raise ValueError(f"attention over {N} keys but the h2o cache holds {self.length}: keys must come from update_and_fetch")
+        held = self.length if held is None else held
+        if N != held:
+            raise ValueError(f"attention over {N} keys but the h2o cache holds {held}: keys must come from update_and_fetch")
         L = queries.shape[2]
 
         if self.mult is not None:

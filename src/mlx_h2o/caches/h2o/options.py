@@ -16,6 +16,7 @@ SPLITS = ("heavy", "balanced", "recent", "explicit")
 SPLIT_HEAVY_FRACTION = {"heavy": 1 / 2, "balanced": 1 / 4, "recent": 1 / 8}
 SELECTIONS = ("head", "layer")
 LAYER_BUDGETS = ("uniform", "pyramid", "dispersion")
+EVICTED_BITS = ("2", "3", "4", "8", "k8v4", "k4v2")
 HEAD_BUDGETS = ("uniform", "adaptive")
 KV_GROUP_SIZES = (32, 64, 128)
 # Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype;
@@ -85,6 +86,11 @@ OPTIONS = (
     Option("merge", Float(-1.0, 1.0), None,
            "keep, don't drop: fold an evicted entry into the kept entry whose key is most similar when their cosine similarity "
            ">= this (K/V averaged, + log multiplicity on its logit; CaM / D2O); unset: evicted entries are dropped"),
+    Option("evicted_bits", Choice(EVICTED_BITS, ((2, "2"), (3, "3"), (4, "4"), (8, "8"))), None,
+           "keep, don't drop: evicted entries move to a third tier at these bits (`k8v4`: 8-bit keys, 4-bit values), "
+           "attended with the rest; unset: they are dropped"),
+    Option("evicted_share", Float(0.0, 1.0), 0.5,
+           "with evicted_bits: the share of the bytes of M entries given to that tier (the cache keeps the rest, at equal total bytes)"),
     Option("layer_budget", Choice(LAYER_BUDGETS), "uniform",
            "M per layer at the same total: `uniform`, `pyramid` (1.5 M at the first layer to 0.5 M at the last; PyramidKV), "
            "`dispersion` (by the attention entropy each layer showed until the cache first filled; CAKE)"),
@@ -120,6 +126,8 @@ class H2OConfig:
     expected: float
     redundancy: float
     merge: Optional[float]
+    evicted_bits: Optional[str]
+    evicted_share: float
     layer_budget: str
     head_budget: str
     pin: Tuple[Tuple[int, int], ...]
@@ -152,6 +160,13 @@ class H2OConfig:
                      "merge": o["merge"] is not None}
             if any(clash.values()):
                 raise ValueError(f"head_budget='adaptive' does not combine with {', '.join(k for k, v in clash.items() if v)}")
+        if o["evicted_bits"] is not None:
+            clash = {"merge": o["merge"] is not None, "head_budget='adaptive'": o["head_budget"] == "adaptive",
+                     f"layer_budget={o['layer_budget']!r}": o["layer_budget"] != "uniform"}
+            if any(clash.values()):
+                raise ValueError(f"evicted_bits does not combine with {', '.join(k for k, v in clash.items() if v)}")
+            if M - round(o["evicted_share"] * M) <= sink:
+                raise ValueError(f"evicted_share={o['evicted_share']} leaves no entry beyond the sink in the cache")
         if o["merge"] is not None and o["kv_bits"] is not None and "/" in str(o["kv_bits"]):
             raise ValueError("merge rewrites kept rows in place: it needs one storage format (kv_bits without a '/')")
         if o["layer_budget"] == "dispersion" and rule.op_scores != "mass":
@@ -166,6 +181,10 @@ class H2OConfig:
             return None, None
         older, _, recent = self.kv_bits.partition("/")
         return _tier_bits(older), _tier_bits(recent or older)
+
+    def evicted_format(self):
+        """The third tier's storage format (storage/kv.py), or None when evicted entries are dropped."""
+        return None if self.evicted_bits is None else _tier_bits(self.evicted_bits)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -4,6 +4,7 @@
 from ...options import Policy
 from .. import per_layer_caches, register_policy
 from .adaptive import AdaptiveHeadsKVCache
+from .archive import ArchiveKVCache
 from .budgets import LayerBudgetGroup, layer_budgets, layer_config, pyramid_weights
 from .cache import H2OKVCache
 from .options import OPTIONS, H2OConfig
@@ -13,7 +14,7 @@ def _h2o_caches(model, **options):
     """An h2o cache on every plain KVCache layer (sliding-window and other special layers keep the
     model's own cache); layer i's rotation is seeded with i."""
     config = H2OConfig.build(**options)
-    cls = AdaptiveHeadsKVCache if config.head_budget == "adaptive" else H2OKVCache
+    cls = AdaptiveHeadsKVCache if config.head_budget == "adaptive" else ArchiveKVCache if config.evicted_bits else H2OKVCache
     caches = per_layer_caches(model, lambda i: cls(config, seed=i))
     layers = [c for c in caches if isinstance(c, H2OKVCache)]
     if config.layer_budget == "pyramid":
@@ -32,6 +33,6 @@ register_policy(
         "sink tokens + the most-attended heavy hitters + a recent window, per kv head, scored by the fused kernel",
         OPTIONS,
         _h2o_caches,
-        (H2OKVCache, AdaptiveHeadsKVCache),
+        (H2OKVCache, AdaptiveHeadsKVCache, ArchiveKVCache),
     )
 )
