@@ -1,6 +1,7 @@
 """Decode attention over a quantized KV cache on the CPU, side by side in one run: the fused kernel
-reading packed 8-/4-bit K/V vs mlx-lm's quantized SDPA (two quantized_matmuls) vs our dense kernel
-and stock `mx.fast.scaled_dot_product_attention` on the float16 cache.
+reading packed 8-/4-bit K/V (Q K^T in integer arithmetic with int8 queries, the default, and with
+float32 queries) vs mlx-lm's quantized SDPA (two quantized_matmuls) vs our dense kernel and stock
+`mx.fast.scaled_dot_product_attention` on the float16 cache.
 
     python benchmarks/bench_quantized_attention.py [--sizes 2048 8192 32768] [--group-size 64]
 
@@ -9,6 +10,7 @@ median microseconds per call and ratios.
 """
 
 import argparse
+import os
 
 import mlx_h2o  # first: BLAS shim before mlx.core  # isort: skip
 
@@ -36,8 +38,19 @@ def main():
         mx.eval(q, k, v, packed)
         ours_q = mlx_h2o.quantized_scaled_dot_product_attention_with_scores
         fns = {}
+        def float_queries(f):
+            def run():
+                mlx_h2o._ext.set_attention_int8_queries(False)
+                try:
+                    f()
+                finally:
+                    mlx_h2o._ext.set_attention_int8_queries(True)
+
+            return run
+
         for b, (kq, vq) in packed.items():
             fns[f"fused q{b}"] = lambda kq=kq, vq=vq, b=b: mx.eval(ours_q(q, kq, vq, scale=0.125, bits=b, group_size=gs, scores=None)[0])
+            fns[f"fused q{b} float q"] = float_queries(fns[f"fused q{b}"])
             fns[f"fused q{b} mass"] = lambda kq=kq, vq=vq, b=b: mx.eval(ours_q(q, kq, vq, scale=0.125, bits=b, group_size=gs))
             fns[f"mlx-lm q{b}"] = lambda kq=kq, vq=vq, b=b: mx.eval(
                 quantized_scaled_dot_product_attention(q, kq, vq, scale=0.125, mask=None, group_size=gs, bits=b))
@@ -47,16 +60,17 @@ def main():
         for b in (8, 4):
             kb = sum(a.nbytes for a in packed[b][0] + packed[b][1])
             rows.append([
-                n, b, f"{kb / 2**20:.2f}", f"{t[f'fused q{b}']:.0f}", f"{t[f'fused q{b} mass']:.0f}", f"{t[f'mlx-lm q{b}']:.0f}",
-                f"{t['fused f16']:.0f}", f"{t['stock f16']:.0f}",
+                n, b, f"{kb / 2**20:.2f}", f"{t[f'fused q{b}']:.0f}", f"{t[f'fused q{b} float q']:.0f}", f"{t[f'fused q{b} mass']:.0f}",
+                f"{t[f'mlx-lm q{b}']:.0f}", f"{t['fused f16']:.0f}", f"{t['stock f16']:.0f}",
                 f"{t[f'mlx-lm q{b}'] / t[f'fused q{b}']:.1f}x", f"{t['fused f16'] / t[f'fused q{b}']:.2f}x",
-                f"{kb / t[f'fused q{b}'] / 1e3:.1f}",
+                f"{t['fused f16'] / t[f'fused q{b} float q']:.2f}x", f"{kb / t[f'fused q{b}'] / 1e3:.1f}",
             ])
             print(" | ".join(map(str, rows[-1])), flush=True)
     print()
     print(markdown_table(
-        ["N", "bits", "K+V MiB", "fused µs", "fused+mass µs", "mlx-lm quantized µs", "fused f16 µs", "stock f16 µs",
-         "mlx-lm / fused", "fused f16 / fused q", "fused GB/s"], rows))
+        ["N", "bits", "K+V MiB", "fused µs", "fused float-q µs", "fused+mass µs", "mlx-lm quantized µs", "fused f16 µs",
+         "stock f16 µs", "mlx-lm / fused", "fused f16 / fused q", "fused f16 / fused float-q", "fused GB/s"], rows))
+    print(f"uptime: {os.popen('uptime').read().strip()}")
 
 
 if __name__ == "__main__":

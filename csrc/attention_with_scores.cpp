@@ -1,6 +1,8 @@
 #include "attention_with_scores.h"
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -9,33 +11,12 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#include "op_utils.h"
 #include "parallel.h"
 
 namespace mlx_h2o {
 
 namespace {
-
-constexpr const char* OP = "attention_with_scores";
-
-std::string shape_str(const mx::Shape& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << (s.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
-
-bool is_float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
-
-ElemType elem_type(mx::Dtype t) {
-  if (t == mx::float32) return ElemType::float32;
-  if (t == mx::float16) return ElemType::float16;
-  if (t == mx::bfloat16) return ElemType::bfloat16;
-  if (t == mx::bool_) return ElemType::boolean;
-  throw std::invalid_argument("[mlx_h2o] unsupported dtype");
-}
 
 View4 view_of(const mx::array& a) {
   View4 v;
@@ -162,33 +143,6 @@ Checked check_args(const mx::array& q, const std::vector<SegmentInput>& segments
   return c;
 }
 
-// Copies a strided array into a row-contiguous buffer inside the stream's queue (the source is only
-// valid once earlier tasks ran). Used for the rare input whose last axis is not unit-stride.
-mx::array contiguous_copy(const mx::array& a, mx::cpu::CommandEncoder& enc) {
-  mx::array out(a.shape(), a.dtype(), nullptr, {});
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  enc.add_temporary(out);
-  enc.dispatch([src = static_cast<const char*>(a.data<void>()), dst = static_cast<char*>(out.data<void>()),
-                es = a.itemsize(), shape = a.shape(), strides = a.strides()]() {
-    const int nd = static_cast<int>(shape.size());
-    std::vector<int64_t> idx(nd, 0);
-    int64_t total = 1;
-    for (auto d : shape) total *= d;
-    for (int64_t i = 0; i < total; ++i) {
-      int64_t off = 0;
-      for (int d = 0; d < nd; ++d) off += idx[d] * strides[d];
-      std::memcpy(dst + i * es, src + off * es, es);
-      for (int d = nd - 1; d >= 0; --d) {
-        if (++idx[d] < shape[d]) break;
-        idx[d] = 0;
-      }
-    }
-  });
-  return out;
-}
-
-bool needs_copy(const mx::array& a) { return a.shape().back() > 1 && a.strides().back() != 1; }
-
 // Reads one K or V source from the primitive's inputs at `i` (advancing it).
 KVSource read_source(const std::vector<mx::array>& in, size_t& i, int bits, int group_size) {
   KVSource src;
@@ -206,6 +160,19 @@ KVSource read_source(const std::vector<mx::array>& in, size_t& i, int bits, int 
 }
 
 }  // namespace
+
+namespace {
+std::atomic<bool>& int8_setting() {
+  static std::atomic<bool> enabled{[] {
+    const char* env = std::getenv("MLX_H2O_ATTENTION_INT8");
+    return !(env && env[0] == '0');
+  }()};
+  return enabled;
+}
+}  // namespace
+
+bool attention_int8_queries() { return int8_setting().load(); }
+void set_attention_int8_queries(bool enabled) { int8_setting().store(enabled); }
 
 std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const std::vector<SegmentInput>& segments,
                                                       float scale, const std::string& mask_mode,
@@ -287,7 +254,8 @@ std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vect
   }
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
-      std::make_shared<AttentionWithScores>(stream, scale, c.mask_kind, c.score_mode, sinks.has_value(), std::move(formats)),
+      std::make_shared<AttentionWithScores>(stream, scale, c.mask_kind, c.score_mode, sinks.has_value(), std::move(formats),
+                                            attention_int8_queries()),
       inputs);
 }
 
@@ -336,9 +304,31 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   p.score_mode = score_mode_;
   p.scores = score_mode_ == ScoreMode::none ? nullptr : outputs[1].data<float>();
   p.threads = kernel_threads();
+  p.int8_queries = int8_queries_;
   for (auto& a : in) enc.set_input_array(a);
   for (auto& o : outputs) enc.set_output_array(o);
   enc.dispatch([p]() { attention_cpu(p); });
+}
+
+std::vector<mx::array> AttentionWithScores::composed(const std::vector<mx::array>& inputs) {
+  std::vector<SegmentInput> segments;
+  size_t i = 1;
+  auto take = [&](int bits, int group_size) {
+    KVInput in{{inputs[i]}, bits, group_size};
+    if (bits) in.arrays = {inputs[i], inputs[i + 1], inputs[i + 2]};
+    i += bits ? 3 : 1;
+    return in;
+  };
+  for (const auto& f : formats_) {
+    KVInput k = take(f.k_bits, f.k_group_size);
+    segments.push_back({std::move(k), take(f.v_bits, f.v_group_size)});
+  }
+  std::optional<mx::array> mask, sinks;
+  if (mask_kind_ == MaskKind::array) mask = inputs[i++];
+  if (has_sinks_) sinks = inputs[i++];
+  const char* mode = mask_kind_ == MaskKind::causal ? "causal" : mask_kind_ == MaskKind::array ? "array" : "";
+  const char* scores = score_mode_ == ScoreMode::mass ? "mass" : score_mode_ == ScoreMode::logits ? "logits" : "";
+  return attention_with_scores_composed(inputs[0], segments, scale_, mode, mask, scores, sinks, stream());
 }
 
 void AttentionWithScores::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -349,7 +339,7 @@ void AttentionWithScores::eval_gpu(const std::vector<mx::array>&, std::vector<mx
 bool AttentionWithScores::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const AttentionWithScores&>(other);
   return scale_ == o.scale_ && mask_kind_ == o.mask_kind_ && score_mode_ == o.score_mode_ &&
-         has_sinks_ == o.has_sinks_ && formats_ == o.formats_;
+         has_sinks_ == o.has_sinks_ && formats_ == o.formats_ && int8_queries_ == o.int8_queries_;
 }
 
 std::vector<mx::Shape> AttentionWithScores::output_shapes(const std::vector<mx::array>& inputs) {

@@ -3,9 +3,10 @@
 // output and the attention each key received, from one pass over K and V.
 //
 // Written to MLX's extension conventions (op functions, a Primitive with eval_cpu, bindings apart) so
-// it could move into mlx::core::fast. The public ops built on it:
-//   scaled_dot_product_attention_with_scores            (scaled_dot_product_attention_with_scores.h)
-//   quantized_scaled_dot_product_attention_with_scores  (quantized_scaled_dot_product_attention_with_scores.h)
+// it could move into mlx::core::fast. The public single-segment ops
+// (mlx_h2o.scaled_dot_product_attention_with_scores for dense K/V,
+// mlx_h2o.quantized_scaled_dot_product_attention_with_scores for packed K/V) are this op with one
+// segment (src/mlx_h2o/attention.py).
 #pragma once
 
 #include <optional>
@@ -15,6 +16,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "composed_primitive.h"
 #include "kernels/attention_problem.h"
 
 namespace mlx_h2o {
@@ -54,6 +56,11 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const 
                                                       const std::optional<mx::array>& mask, const std::string& scores,
                                                       const std::optional<mx::array>& sinks, mx::StreamOrDevice s = {});
 
+/** Whether new attention ops round the queries to int8 for packed 4-/8-bit keys (integer Q K^T; the
+ *  default, MLX_H2O_ATTENTION_INT8=0 turns it off) or keep them float32. Read when an op is built. */
+bool attention_int8_queries();
+void set_attention_int8_queries(bool enabled);
+
 struct SegmentFormat {
   int k_bits = 0, k_group_size = 0, v_bits = 0, v_group_size = 0;  // bits 0: dense
   bool operator==(const SegmentFormat& o) const {
@@ -61,19 +68,23 @@ struct SegmentFormat {
   }
 };
 
-class AttentionWithScores : public mx::Primitive {
+class AttentionWithScores : public ComposedPrimitive {
  public:
   AttentionWithScores(mx::Stream stream, float scale, MaskKind mask_kind, ScoreMode score_mode, bool has_sinks,
-                      std::vector<SegmentFormat> formats)
-      : mx::Primitive(stream),
+                      std::vector<SegmentFormat> formats, bool int8_queries)
+      : ComposedPrimitive(stream),
         scale_(scale),
         mask_kind_(mask_kind),
         score_mode_(score_mode),
         has_sinks_(has_sinks),
-        formats_(std::move(formats)) {}
+        formats_(std::move(formats)),
+        int8_queries_(int8_queries) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  // attention_with_scores_composed over this primitive's inputs (q, segment arrays, mask, sinks):
+  // what vjp, jvp and vmap differentiate / map.
+  std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
 
   const char* name() const override { return "AttentionWithScores"; }
   bool is_equivalent(const mx::Primitive& other) const override;
@@ -85,6 +96,7 @@ class AttentionWithScores : public mx::Primitive {
   ScoreMode score_mode_;
   bool has_sinks_;
   std::vector<SegmentFormat> formats_;
+  bool int8_queries_;
 };
 
 }  // namespace mlx_h2o

@@ -10,9 +10,10 @@
 #include "mlx/version.h"
 
 #include "attention_with_scores.h"
+#include "kernels/isa.h"
+#include "norm_rope.h"
 #include "parallel.h"
-#include "quantized_scaled_dot_product_attention_with_scores.h"
-#include "scaled_dot_product_attention_with_scores.h"
+#include "quantized_matmul.h"
 #include "uninitialized.h"
 
 namespace nb = nanobind;
@@ -38,7 +39,7 @@ NB_MODULE(_ext, m) {
   m.attr("built_with_mlx") = MLX_H2O_BUILT_WITH_MLX;
   m.def("linked_mlx_version", []() { return std::string(mlx::core::version()); },
         "Version string of the libmlx this extension is running against.");
-  m.def("kernel_isa", []() { return std::string(mlx_h2o::attention_cpu_isa()); },
+  m.def("kernel_isa", []() { return std::string(mlx_h2o::kernel_isa_name()); },
         "The instruction-set variant of the CPU kernels in use on this machine.");
   m.def("kernel_threads", &mlx_h2o::kernel_threads, "Threads the CPU kernels use (MLX_H2O_NUM_THREADS).");
 
@@ -66,13 +67,6 @@ NB_MODULE(_ext, m) {
   m.def("page_size", &mlx_h2o::page_size, "Bytes per page of the OS's virtual memory.");
 
 
-  m.def("scaled_dot_product_attention_with_scores", &mlx_h2o::scaled_dot_product_attention_with_scores, "q"_a,
-        "k"_a, "v"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(),
-        "stream"_a = nb::none(), "Fused attention + scores (Python API: mlx_h2o.scaled_dot_product_attention_with_scores).");
-  m.def("quantized_scaled_dot_product_attention_with_scores",
-        &mlx_h2o::quantized_scaled_dot_product_attention_with_scores, "q"_a, "k_q"_a, "v_q"_a, "scale"_a, "bits"_a,
-        "group_size"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "stream"_a = nb::none(),
-        "Fused attention + scores over packed K/V (Python API: mlx_h2o.quantized_scaled_dot_product_attention_with_scores).");
   m.def(
       "attention_with_scores",
       [](const mx::array& q, const std::vector<SegmentTuple>& segments, float scale, const std::string& mask_mode,
@@ -83,5 +77,22 @@ NB_MODULE(_ext, m) {
                         : mlx_h2o::attention_with_scores(q, segs, scale, mask_mode, mask, scores, sinks, s);
       },
       "q"_a, "segments"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "composed"_a,
-      "stream"_a = nb::none(), "Fused attention over K/V segments (Python API: mlx_h2o.attention.attention_with_scores).");
+      "stream"_a = nb::none(), "Fused attention over K/V segments (Python API: mlx_h2o.attention_with_scores and the\n"
+      "single-segment mlx_h2o.scaled_dot_product_attention_with_scores / quantized_... built on it).");
+
+  m.def("quantized_matmul", &mlx_h2o::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "max_rows"_a = -1, "stream"_a = nb::none(),
+        "x @ W^T over packed affine weights (Python API: mlx_h2o.quantized_matmul).");
+  m.def("quantized_matmul_composed", &mlx_h2o::quantized_matmul_composed, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, "stream"_a = nb::none(), "Dequantize + matmul: the definition of quantized_matmul.");
+  m.def("dequantize_affine", &mlx_h2o::dequantize_affine, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "dtype"_a, "stream"_a = nb::none(), "Packed affine weights as a dense array (one vectorized pass on the CPU).");
+  m.def("rms_norm", &mlx_h2o::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, "stream"_a = nb::none(),
+        "mx.fast.rms_norm as one CPU kernel (Python API: mlx_h2o.rms_norm).");
+  m.def("rope", &mlx_h2o::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
+        "stream"_a = nb::none(), "mx.fast.rope with an integer offset as one CPU kernel (Python API: mlx_h2o.rope).");
+  m.def("attention_int8_queries", &mlx_h2o::attention_int8_queries,
+        "Whether attention ops built now round queries to int8 for packed 4-/8-bit keys.");
+  m.def("set_attention_int8_queries", &mlx_h2o::set_attention_int8_queries, "enabled"_a,
+        "Integer Q K^T against packed 4-/8-bit keys (True, the default) or float32 queries (False).");
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up and run the main job on a fresh machine: full vs sliding-window cache, side by side, on the
-# embedded SmolLM2-135M-Instruct (prefill 32 tokens, then one token at a time; 4 samples).
+# Set up and run the main job on a fresh machine: full vs sliding-window vs H2O cache, side by side,
+# on the embedded SmolLM2-135M-Instruct (prefill 32 tokens, then one token at a time; 4 samples).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_text.sh

@@ -1,5 +1,7 @@
 """Shared by the attention tests: a float64 NumPy reference and a checker for all three score modes."""
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 
@@ -20,13 +22,35 @@ def _f64(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32), dtype=np.float64)
 
 
-def reference(q, k, v, scale, mask=None, sinks=None):
-    """float64 attention from the (already rounded) inputs: (out, mass, logits)."""
+LOG2E = np.float32(1.4426950408889634)
+
+
+def int8_queries(q, scale):
+    """q as the kernel dots it with packed 4-/8-bit keys, times scale (natural-unit logits = this . k):
+    q * (scale * log2 e) in float32, rounded to int8 per 32 values (scale max|.| / 127, round to
+    nearest even), times ln 2 — the kernel's own arithmetic, so only float64 rounding remains."""
+    c = np.float32(np.float32(scale) * LOG2E)
+    qs = (np.array(q.astype(mx.float32), dtype=np.float32) * c).astype(np.float32)
+    blocks = qs.reshape(*qs.shape[:-1], qs.shape[-1] // 32, 32)
+    m = np.abs(blocks).max(-1, keepdims=True)
+    inv = (np.float32(127) / np.where(m > 0, m, np.float32(1))).astype(np.float32) * (m > 0)
+    xq = np.rint(blocks.astype(np.float64) * inv.astype(np.float64))
+    d = (m / np.float32(127)).astype(np.float32).astype(np.float64)
+    return (xq * d).reshape(qs.shape) * np.log(2.0)
+
+
+def reference(q, k, v, scale, mask=None, sinks=None, int8_keys=None):
+    """float64 attention from the (already rounded) inputs: (out, mass, logits). int8_keys: (N,) bool,
+    the key positions the kernel dots with int8-rounded queries (packed 4-/8-bit keys)."""
+    q8 = int8_queries(q, scale) if int8_keys is not None and np.any(int8_keys) else None
     q, k, v = _f64(q), _f64(k), _f64(v)
     B, Hq, L, _ = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
     logits = np.einsum("bhgld,bhnd->bhgln", q.reshape(B, Hkv, G, L, -1), k).reshape(B, Hq, L, N) * scale
+    if q8 is not None:
+        logits8 = np.einsum("bhgld,bhnd->bhgln", q8.reshape(B, Hkv, G, L, -1), k).reshape(B, Hq, L, N)
+        logits = np.where(np.asarray(int8_keys, bool), logits8, logits)
     if isinstance(mask, str):
         logits = np.where(np.arange(N - L, N)[:, None] >= np.arange(N)[None], logits, -np.inf)
     elif mask is not None:
@@ -68,11 +92,12 @@ def random_mask(rng, kind, B, Hq, L, N):
     return kind  # None or "causal"
 
 
-def check(q, k, v, scale, mask=None, sinks=None, fn=sdpa, ref_kv=None):
+def check(q, k, v, scale, mask=None, sinks=None, fn=sdpa, ref_kv=None, int8_keys=None):
     """Runs `fn(q, k, v, ...)` in every score mode against the float64 reference (computed from
-    `ref_kv` = (k, v) as float arrays when k, v are not plain arrays); returns the mass."""
+    `ref_kv` = (k, v) as float arrays when k, v are not plain arrays, with int8 queries at `int8_keys`);
+    returns the mass."""
     name = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[q.dtype]
-    ref_out, ref_mass, ref_logits = reference(q, *(ref_kv or (k, v)), scale, mask, sinks)
+    ref_out, ref_mass, ref_logits = reference(q, *(ref_kv or (k, v)), scale, mask, sinks, int8_keys)
     out, mass = fn(q, k, v, scale=scale, mask=mask, sinks=sinks, scores="mass")
     assert out.dtype == q.dtype and out.shape == ref_out.shape
     np.testing.assert_allclose(_f64(out), ref_out, atol=OUT_TOL[name], rtol=OUT_TOL[name])
@@ -88,3 +113,14 @@ def check(q, k, v, scale, mask=None, sinks=None, fn=sdpa, ref_kv=None):
     assert none is None
     np.testing.assert_array_equal(_f64(out3), _f64(out))
     return np.array(mass)
+
+
+@contextlib.contextmanager
+def float_queries():
+    """Attention ops built inside use float32 queries for packed keys too (no int8 Q K^T): for
+    comparisons with another engine's dequantize-then-attend path on the same packed K/V."""
+    mlx_h2o._ext.set_attention_int8_queries(False)
+    try:
+        yield
+    finally:
+        mlx_h2o._ext.set_attention_int8_queries(True)

@@ -8,7 +8,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The embedded SmolLM2 model (fp32 weights) and tokenizer. In CI its absence is a failure."""
+    """The embedded SmolLM2 model with dequantized fp32 weights (the reference the tests compare
+    against; the CPU default is packed weights) and tokenizer. In CI its absence is a failure."""
     try:
         from mlx_h2o.loading import default_model_path
 
@@ -17,7 +18,7 @@ def smollm():
         if os.environ.get("CI"):
             raise
         pytest.skip(str(e))
-    return mlx_h2o.load()
+    return mlx_h2o.load(weights="float32")
 
 
 @pytest.fixture(scope="session")

@@ -212,3 +212,22 @@ def test_bad_masks_scores_sinks_scale():
         sdpa(q, k, v, scale=float("inf"))
     with pytest.raises(ValueError, match="scale must be"):
         sdpa(q, k, v, scale="0.1")
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_a_query_row_gets_the_same_result_in_any_call(dtype):
+    """Bit-for-bit: a row's output does not depend on how many other rows share its call or where
+    the keys end past what it sees (chunked prefill equals one-shot prefill). Key ranges stay below
+    the length at which decode splits keys across threads."""
+    rng = np.random.default_rng(11)
+    for Hq, Hkv, N, D in [(2, 1, 4, 16), (8, 2, 64, 64), (9, 3, 200, 64), (4, 4, 37, 24), (6, 2, 130, 80)]:
+        q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+                   for s in ((1, Hq, N, D), (1, Hkv, N, D), (1, Hkv, N, D)))
+        whole = mlx_h2o.scaled_dot_product_attention_with_scores(q, k, v, scale=D**-0.5, mask="causal", scores=None)[0]
+        for L in sorted({1, 2, 3, 5, 7, N // 2, N - 1}):
+            tail = mlx_h2o.scaled_dot_product_attention_with_scores(q[:, :, N - L :], k, v, scale=D**-0.5, mask="causal", scores=None)[0]
+            head = mlx_h2o.scaled_dot_product_attention_with_scores(
+                q[:, :, :L], k[:, :, :L], v[:, :, :L], scale=D**-0.5, mask="causal", scores=None
+            )[0]
+            assert mx.array_equal(tail, whole[:, :, N - L :]), (Hq, Hkv, N, D, L)
+            assert mx.array_equal(head, whole[:, :, :L]), (Hq, Hkv, N, D, L)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as lm_cache
+from attention_reference import reference
 from tiny_models import CONFIGS, tiny_model
 
 import mlx_h2o
@@ -104,9 +105,9 @@ def _np_keep(cfg, acc, pos, offset, L, content=None):
     M, e = cfg.max_kv_size, cfg.evict_every
     P = pos.shape[-1]
     pinned_old = sum(max(0, min(b, offset) - a) for a, b in cfg.pin)
-    if P + L <= M + e - 1 + pinned_old:
+    if P + L <= M + pinned_old:
         return pos
-    target = M - min(L, e)
+    target = M - e
     keep = min(P - pinned_old, target) + pinned_old
     if keep >= P:
         return pos
@@ -215,7 +216,7 @@ def test_eviction_and_scores_match_numpy_reference(options):
             kept = _np_keep(cfg, *before, offset, L, content)
             evicted += kept.shape[-1] < before[1].shape[-1]
             np.testing.assert_array_equal(pos, np.concatenate([kept, new], axis=-1))
-        assert cache.length <= cfg.max_kv_size + cfg.evict_every - 1 + cfg.pinned_before(cache.offset) or L > 1
+        assert cache.length <= cfg.max_kv_size + cfg.pinned_before(cache.offset) or L > 1
         for b in range(B):
             for h in range(Hkv):
                 for j in range(L):
@@ -336,14 +337,14 @@ def test_shared_selection_keeps_one_set_per_layer():
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_architecture_generates_with_bounded_cache(arch):
     model = tiny_model(arch)
-    M, e = 64, 1
+    M, e = 64, 4
     cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=e)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tokens = [t for t, _ in generate_step(_tokens(20, seed=1), model, max_tokens=300, prompt_cache=cache)]
     assert len(tokens) == 300
     layers = _h2o_layers(cache)
-    assert layers and all(c.peak <= M + e - 1 and c.size() <= M and c.evictions > 0 for c in layers)
+    assert layers and all(c.peak <= M and c.evictions > 0 for c in layers)
     assert all(c.offset >= 20 + 299 for c in layers)  # generate_step runs one step ahead
     # Sliding-window layers keep their own cache.
     kinds = {type(c).__name__ for c in cache}
@@ -376,7 +377,8 @@ def test_long_prompt_prefilled_in_chunks_stays_bounded():
     steps = generate_step(prompt, model, max_tokens=4, prompt_cache=cache, prefill_step_size=chunk)
     assert len(list(steps)) == 4
     for c in _h2o_layers(cache):
-        assert c.offset >= n + 3 and M + chunk - 1 <= c.peak <= M + chunk and c.size() <= M
+        # A chunk is appended whole after an eviction down to M - evict_every.
+        assert c.offset >= n + 3 and c.peak == M - c.config.evict_every + chunk and c.size() <= M
 
 
 def test_pinned_spans_are_never_evicted():
@@ -387,7 +389,7 @@ def test_pinned_spans_are_never_evicted():
     for c in cache:
         pos = np.array(c.positions[..., : c.length])
         assert all(set(range(*span)) <= set(row) for row in pos.reshape(-1, c.length))
-        assert c.peak <= M + e - 1 + (span[1] - span[0])
+        assert c.peak <= M + (span[1] - span[0])
     assert mlx_h2o.make_cache(model, "h2o", max_kv_size=M, pin="3:13;40:50")[0].config.pin == ((3, 13), (40, 50))
 
 
@@ -447,11 +449,42 @@ def test_save_load_round_trip_reproduces_generation(tmp_path):
     np.testing.assert_array_equal(_greedy_logits(model, loaded, last, 30), _greedy_logits(model, cache, last, 30))
 
 
-def test_mlx_lm_batch_generator_gets_a_clear_error():
+def _generate_alone(model, prompt, steps, **options):
+    cache = mlx_h2o.make_cache(model, "h2o", **options)
+    out = []
+    for y, _ in generate_step(mx.array(prompt), model, max_tokens=steps, prompt_cache=cache):
+        out.append(int(y))
+    return out
+
+
+def test_batch_generator_equals_each_sequence_alone():
+    """mlx-lm's BatchGenerator (continuous batching, as batch_generate and the server use it):
+    prompts of different lengths (right-padded together), sequences that finish early (filter)
+    and join late (extend); each sequence's tokens equal its own generation, and the finished
+    sequences' caches (extract) held at most the budget."""
+    from mlx_lm.generate import BatchGenerator
+
     model = tiny_model("llama")
-    caches = [mlx_h2o.make_cache(model, "h2o", max_kv_size=16) for _ in range(2)]
-    with pytest.raises(ValueError, match="BatchGenerator"):
-        H2OKVCache.merge([c[0] for c in caches])
+    M = 24
+    prompts = [np.random.default_rng(20 + i).integers(0, VOCAB, n).tolist() for i, n in enumerate((40, 9, 70, 33))]
+    steps = [30, 12, 25, 40]
+    want = [_generate_alone(model, p, n, max_kv_size=M, evict_every=3) for p, n in zip(prompts, steps)]
+    gen = BatchGenerator(model, stop_tokens=[], prefill_batch_size=3, completion_batch_size=3)
+    caches = [mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=3) for _ in prompts]
+    uids = gen.insert(prompts[:3], steps[:3], caches=caches[:3])
+    got, finished, late = {u: [] for u in uids}, {}, None
+    while len(finished) < len(prompts):
+        for r in gen.next_generated():
+            got.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                finished[r.uid] = r.prompt_cache
+        if late is None and finished:  # a fourth request joins while the others decode
+            late = gen.insert(prompts[3:], steps[3:], caches=caches[3:])[0]
+    gen.close()
+    assert [got[u] for u in uids + [late]] == want
+    for cache in finished.values():
+        assert all(isinstance(c, H2OKVCache) and c.size() <= min(M + 2, c.offset) for c in cache)
+    assert sorted(max(c.offset for c in cache) for cache in finished.values()) == sorted(len(p) + n for p, n in zip(prompts, steps))
 
 
 @pytest.mark.parametrize(
@@ -706,7 +739,7 @@ def test_16k_decode_soak_holds_a_bounded_number_of_entries():
             y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
         mx.eval(y, [c.acc for c in cache])
         assert all(c.size() <= M for c in cache), i
-    assert all(c.offset == 32 + steps - 1 and c.peak <= M and c.evictions > steps - M for c in cache)
+    assert all(c.offset == 32 + steps - 1 and c.peak <= M and c.evictions >= (steps - M) // c.config.evict_every for c in cache)
 
 
 # ----------------------------------------------------------------------------- budgets per layer
@@ -951,6 +984,7 @@ def test_archive_attends_over_both_tiers_at_equal_bytes(options):
     rng = np.random.default_rng(len(repr(options)))
     B, H, G, D = 2, 2, 2, 32
     scale = D**-0.5
+    bits = role_bits(cfg.evicted_format())
     originals = {}  # (b, h, position) -> (key, value)
     for L in [6] + [1] * 70 + [5] + [1] * 10:
         k = rng.standard_normal((B, H, L, D)).astype(np.float32)
@@ -971,9 +1005,13 @@ def test_archive_attends_over_both_tiers_at_equal_bytes(options):
         plain.attend(mx.array(q), keys, values, scale=scale, mask="causal" if L > 1 else None)
         ak, av = (np.zeros((B, H, 0, D), np.float32),) * 2 if not T else map(np.array, cache.archive.read_rows())
         ck, cv = map(np.array, cache.store.read_rows())
-        ref, p, _ = _np_attention(q, np.concatenate([ak, ck], 2), np.concatenate([av, cv], 2), scale)
+        # Packed 4-/8-bit keys are dotted with int8-rounded queries (attention_reference.int8_queries).
+        int8 = mlx_h2o._ext.attention_int8_queries()
+        int8_keys = [int8 and bits[0] in (4, 8)] * T + [int8 and cfg.kv_bits is not None] * cache.length
+        ref, mass, _ = reference(mx.array(q), mx.array(np.concatenate([ak, ck], 2)), mx.array(np.concatenate([av, cv], 2)), scale,
+                                 "causal" if L > 1 else None, None, np.array(int8_keys))
         np.testing.assert_allclose(np.array(out), ref, rtol=1e-4, atol=1e-4)
-        mass = p.sum(axis=2).reshape(B, H, G, -1).sum(axis=2) / L
+        mass = mass / L
         N = T + cache.length
         live = N - (L - 1) / 2
         upd = (lambda a, m: a + L * live * m) if cfg.score == "normalised" else (lambda a, m: a + L * m)
@@ -985,7 +1023,6 @@ def test_archive_attends_over_both_tiers_at_equal_bytes(options):
     assert T == cache.archive_size and cache.evictions > 20
     pos = np.array(cache.archive_positions[..., :T])
     held = np.array(cache.positions[..., : cache.length])
-    bits = role_bits(cfg.evicted_format())
     ak, av = map(np.array, cache.archive.read_rows())
     for b in range(B):
         for h in range(H):

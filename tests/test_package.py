@@ -89,3 +89,12 @@ def test_cli_eval_json(smollm, tmp_path):
 
     rows = json.loads(out.read_text())["perplexity"]
     assert len(rows) == 2 and rows[0]["policy"] == "full"
+
+
+def test_generated_option_tables_are_current():
+    """README.md and docs/policies.md show the policies' option tables as the code declares them."""
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    r = _cli("options", "--check", str(root / "README.md"), str(root / "docs" / "policies.md"))
+    assert r.returncode == 0, r.stderr

@@ -16,8 +16,9 @@ from mlx_lm.models import cache as lm_cache
 from tiny_models import tiny_model
 
 import mlx_h2o
+from mlx_h2o.evaluation import kv_bytes
 
-MODEL = dict(head_dim=64, hidden_size=128, max_position_embeddings=4096)  # head dim 64: every packed group size divides it; a context length for `reserved`
+MODEL = dict(head_dim=64, hidden_size=128, max_position_embeddings=1024)  # head dim 64: every group size divides it
 BUDGET = 24  # entries kept by bounded policies: well below the tokens fed, so they evict
 PROMPT, FIRST, SECOND = 40, 12, 12  # tokens: prompt, generated before saving, generated after
 FIXTURES = Path(__file__).parent / "fixtures" / "saved_by_0.1.0"
@@ -143,22 +144,26 @@ def test_protocol(name, opts):
     assert all(c.empty() for c in cache)
     _prefill(model, cache, tokens[:30])
     assert not any(c.empty() for c in cache)
-    n30 = sum(c.nbytes for c in cache)
+    n30 = kv_bytes(cache)
     _prefill(model, cache, tokens[30:50])
-    assert sum(c.nbytes for c in cache) > n30 > 0
+    assert kv_bytes(cache) > n30 > 0
 
-    # trim 10 (nothing evicted, so every policy can), then continue: equals a cache that saw 40.
+    # trim 10 (nothing evicted, so every policy can), then continue: as good as a cache of the same
+    # policy that saw 40 tokens - equal for lossless storage; for low-bit storage the trimmed cache
+    # may hold more packed rows (its window moved on before the trim), so it is held to the same
+    # error against the full cache, with room to spare.
     assert lm_cache.can_trim_prompt_cache(cache)
     assert lm_cache.trim_prompt_cache(cache, 10) == 10
-    ref = mlx_h2o.make_cache(model, name, **opts)
-    _prefill(model, ref, tokens[:30])
-    _prefill(model, ref, tokens[30:40])
+    ref, full = mlx_h2o.make_cache(model, name, **opts), mlx_h2o.make_cache(model, "full")
+    for c in (ref, full):
+        _prefill(model, c, tokens[:30])
+        _prefill(model, c, tokens[30:40])
     # A multi-token call after trimming exercises make_mask(N > 1) against the held layout.
-    got = model(mx.array([tokens[40:47]]), cache=cache)
-    want = model(mx.array([tokens[40:47]]), cache=ref)
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    chunk = mx.array([tokens[40:47]])
+    got, want, exact = (np.array(model(chunk, cache=c)) for c in (cache, ref, full))
+    assert np.abs(got - exact).max() <= 3 * np.abs(want - exact).max() + 1e-4
     for c in cache:
-        mask = c.make_mask(5, return_array=True)
+        mask = c.make_mask(5, return_array=True, window_size=None)
         assert mask is None or mask.shape[-2] == 5
 
     if all(hasattr(c, "reset") for c in cache):
@@ -180,9 +185,9 @@ def test_bounded_policies_hold_a_bounded_size(name, opts):
     sizes = []
     for t in tokens[8:]:
         model(mx.array([[t]]), cache=cache)
-        sizes.append(sum(c.nbytes for c in cache))
+        sizes.append(kv_bytes(cache))
     mx.eval([c.state for c in cache])
-    slack = opts.get("evict_every", 1) - 1 + sum(e - s for s, e in opts.get("pin", ()))
+    slack = sum(e - s for s, e in opts.get("pin", ()))  # pinned entries are outside the budget
     # Per-layer budgets (h2o layer_budget) move entries between layers at the same total; an h2o
     # archive (evicted_bits) holds part of its budget's bytes in a low-bit tier of archive_size entries.
     def budget(c, config):

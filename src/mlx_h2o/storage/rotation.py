@@ -27,7 +27,7 @@ from .kv import KVStorage
 LAMBDA_FLOOR = 1e-6
 # How a cache gets its per-coordinate λ: "none" (rotation alone) or "prefill" (fitted on the first
 # update). "none" is the default: on SmolLM2 a prefill λ doubled rotated 4-bit's ΔPPL (+1.86 % vs
-# +0.92 %, README results) since the rotation already evens the coordinates out.
+# +0.92 %, docs/storage.md) since the rotation already evens the coordinates out.
 LAMBDA_MODES = ("none", "prefill")
 DEFAULT_LAMBDA = "none"
 # A layer's calibrated λ: (lam_k, lam_v), each (Hkv, D) (see caches.rotated.calibrate_lambdas).

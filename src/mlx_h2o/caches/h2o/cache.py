@@ -69,7 +69,7 @@ class H2OKVCache(AttendingCache):
         self.mult = None  # (B, H, capacity): tokens an entry stands for (merge; None when merge is off)
         self.offset = 0  # tokens processed: RoPE position of the next token
         self.length = 0  # entries held
-        self.peak = 0  # most entries ever held at once (bound: M + evict_every - 1 + pinned)
+        self.peak = 0  # most entries ever held at once (bound: M + pinned, or a prefill chunk past it)
         self.evictions = 0
         self.scoreless = False
         self._awaiting_scores = False
@@ -138,10 +138,11 @@ class H2OKVCache(AttendingCache):
 
     @classmethod
     def merge(cls, caches):
-        raise ValueError(
-            "the h2o cache does not support mlx-lm's BatchGenerator yet; batch equal-length sequences "
-            "in one model call instead (each sequence is evicted independently)"
-        )
+        """mlx-lm's BatchGenerator: several sequences' caches of this layer as one batch cache,
+        each sequence still evicted on its own (batch.py)."""
+        from .batch import BatchH2OKVCache
+
+        return BatchH2OKVCache.merge(caches)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None and self.offset + N > window_size:

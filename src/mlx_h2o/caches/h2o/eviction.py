@@ -16,12 +16,13 @@ from .scoring import make_rule, max_pool
 
 def keep_count(cfg: H2OConfig, length: int, offset: int, L: int) -> Optional[int]:
     """Entries of the current layout to keep before appending L tokens, or None for no eviction.
-    The cache grows by up to `evict_every - 1` entries past M (plus pinned ones), then one
-    compaction brings it back; a call of L > 1 tokens (a prefill chunk) is appended whole."""
+    The cache fills up to M entries (plus pinned ones); the token that would pass M triggers one
+    compaction down to M - evict_every, so decode compacts once per `evict_every` tokens and never
+    holds more than M. A call of L > 1 tokens (a prefill chunk) is appended whole after it."""
     pinned = cfg.pinned_before(offset)
-    if length + L <= cfg.max_kv_size + cfg.evict_every - 1 + pinned:
+    if length + L <= cfg.max_kv_size + pinned:
         return None
-    target = cfg.max_kv_size - min(L, cfg.evict_every)  # unpinned entries to keep
+    target = cfg.max_kv_size - cfg.evict_every  # unpinned entries to keep
     keep = min(length - pinned, target) + pinned
     return keep if keep < length else None
 
@@ -33,9 +34,9 @@ def recent_kept(cfg: H2OConfig, offset: int, keep: int) -> int:
 
 
 def buffer_capacity(cfg: H2OConfig, offset: int, needed: int) -> int:
-    """Rows to allocate for `needed` entries: the steady-state size (M + evict_every - 1 + pinned) once
-    reached, storage growth steps below it, exactly `needed` above it (a prefill chunk)."""
-    steady = cfg.max_kv_size + cfg.evict_every - 1 + cfg.pinned_before(offset + 1)
+    """Rows to allocate for `needed` entries: the steady-state size (M + pinned) once reached, storage
+    growth steps below it, exactly `needed` above it (a prefill chunk)."""
+    steady = cfg.max_kv_size + cfg.pinned_before(offset + 1)
     if needed > steady:
         return needed
     return min(steady, grown_capacity(needed))

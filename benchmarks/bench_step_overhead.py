@@ -1,0 +1,133 @@
+"""Where a decode step's time goes: Python graph building, the linear layers (matmuls), attention,
+and everything else MLX evaluates (norms, RoPE, residual adds, cache writes, sampling, op dispatch).
+
+    python benchmarks/bench_step_overhead.py [--context 512] [--steps 30] [--modes quantized quantized:stock float32:stock]
+
+A mode is a weight format of the embedded model (quantized, float32, ...), with ":stock" for MLX's own
+layers (mlx_h2o.use_cpu_layer_kernels(False): MLX's quantized_matmul, rms_norm and rope fallbacks)
+instead of the extension's kernels. For each mode: prefill --context tokens into a full cache (fused attention on), then run
+greedy decode steps in four variants, alternating step by step on the same model and cache: as is;
+with every linear layer (incl. the lm_head) replaced by a zeros array of its output shape; with the
+attention replaced likewise; with both. The differences are each part's in-place cost (kernel + its
+dispatch); what is left with both replaced is the per-token overhead, split into graph building
+(Python) and evaluation. Also counts one step's primitives by kind. `uptime` is printed with the
+table: timings on a shared machine are provisional.
+"""
+
+import argparse
+import collections
+import os
+import re
+import tempfile
+import time
+
+import mlx_h2o  # BLAS shim before mlx.core  # isort: skip
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_h2o import hook
+from mlx_h2o.evaluation import load_corpus, token_samples
+from mlx_h2o.evaluation.report import markdown_table
+
+LINEARS = [(nn.Linear, "__call__"), (nn.QuantizedLinear, "__call__"), (nn.Embedding, "as_linear"),
+           (nn.QuantizedEmbedding, "as_linear")]
+
+
+def _zeros_linear(self, x):
+    return mx.zeros((*x.shape[:-1], self["weight"].shape[0]), x.dtype)
+
+
+def _zeros_attention(q, k, v, **kw):
+    return mx.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), None
+
+
+class Replaced:
+    """Within the block, linear layers and/or attention return zeros of their output's shape."""
+
+    def __init__(self, linears, attention):
+        self.linears, self.attention = linears, attention
+
+    def __enter__(self):
+        self.saved = [(c, m, getattr(c, m)) for c, m in LINEARS] + [(hook, "scaled_dot_product_attention_with_scores",
+                                                                      hook.scaled_dot_product_attention_with_scores)]
+        if self.linears:
+            for c, m in LINEARS:
+                setattr(c, m, _zeros_linear)
+        if self.attention:
+            hook.scaled_dot_product_attention_with_scores = _zeros_attention
+
+    def __exit__(self, *exc):
+        for obj, name, value in self.saved:
+            setattr(obj, name, value)
+
+
+VARIANTS = {"as is": (False, False), "no linears": (True, False), "no attention": (False, True), "neither": (True, True)}
+
+
+def primitive_counts(model, cache, y):
+    """Primitives in one decode step's graph, by kind (from MLX's DOT export)."""
+    out = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)
+    with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
+        mx.export_to_dot(f.name, out)
+        f.seek(0)
+        labels = re.findall(r'label ="([^"]+)", shape=rectangle', f.read())
+    mx.eval(out, [c.state for c in cache])
+    return collections.Counter(labels)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--modes", nargs="+", default=["quantized", "quantized:stock", "float32:stock"])
+    args = ap.parse_args()
+    mlx_h2o.use_fast_cpu_attention(True)
+    runs = {}
+    tokens = None
+    for mode in args.modes:
+        weights, _, layers = mode.partition(":")
+        mlx_h2o.use_cpu_layer_kernels(layers != "stock")
+        model, tokenizer = mlx_h2o.load(weights=weights)
+        if tokens is None:
+            tokens = token_samples(tokenizer, load_corpus(), 1, args.context, seed=1)[0][1]
+        cache = mlx_h2o.make_cache(model, "full")
+        for i in range(0, len(tokens), 512):
+            mx.eval(model(mx.array(tokens[i : i + 512])[None], cache=cache))
+        y = mx.array(tokens[-1:])[None]
+        runs[mode] = dict(model=model, cache=cache, y=y, times={v: ([], []) for v in VARIANTS}, kernels=layers != "stock")
+    for step in range(args.steps + 2):
+        for mode, r in runs.items():
+            mlx_h2o.use_cpu_layer_kernels(r["kernels"])
+            for variant, (no_linears, no_attention) in VARIANTS.items():
+                with Replaced(no_linears, no_attention):
+                    t0 = time.perf_counter()
+                    out = mx.argmax(r["model"](r["y"], cache=r["cache"])[:, -1], axis=-1)
+                    t1 = time.perf_counter()
+                    mx.eval(out, [c.state for c in r["cache"]])  # replaced attention leaves the writes unread
+                    t2 = time.perf_counter()
+                if variant == "as is":
+                    r["y"] = out[None]
+                if step >= 2:
+                    r["times"][variant][0].append(t1 - t0)
+                    r["times"][variant][1].append(t2 - t1)
+    rows = []
+    for mode, r in runs.items():
+        ms = {v: (np.median(b) * 1e3, np.median(e) * 1e3) for v, (b, e) in r["times"].items()}
+        total = sum(ms["as is"])
+        linears = total - sum(ms["no linears"])
+        attention = total - sum(ms["no attention"])
+        build, other = ms["neither"]
+        mlx_h2o.use_cpu_layer_kernels(r["kernels"])
+        counts = primitive_counts(r["model"], r["cache"], r["y"])
+        top = ", ".join(f"{k} {n}" for k, n in counts.most_common(8))
+        rows.append([mode, f"{total:.1f}", f"{1e3 / total:.1f}", f"{linears:.1f}", f"{attention:.1f}", f"{build:.1f}",
+                     f"{other:.1f}", f"{100 * (build + other) / total:.0f}%", f"{sum(counts.values())} ({top})"])
+    print(f"context {args.context}, {args.steps} steps per variant; uptime: {os.popen('uptime').read().strip()}")
+    print(markdown_table(["mode", "step ms", "tok/s", "linears ms", "attention ms", "python build ms",
+                          "other eval ms", "overhead share", "primitives per step (most common)"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+// Integer dot products of int8 activations with packed 4-bit / 8-bit weights (llama.cpp's technique):
+// a row of activations is quantized once to int8 in blocks of 32 values (one float scale per block),
+// then each 32-value block of weights is unpacked once and dotted with the int8 block in integer
+// arithmetic (AVX2: maddubs + madd; portable: plain integer loops), giving 8 partial int32 sums.
+// Per-ISA kernel source (no include guard); needs simd.h.
+//
+// Layout of a quantized activation block (32 int8): for 4-bit weights the even columns first, then
+// the odd ones, because a byte of packed 4-bit weights holds columns 2k (low nibble) and 2k + 1 (high
+// nibble) and unpacking puts all low nibbles before all high ones; for 8-bit weights column order.
+
+namespace mlx_h2o {
+namespace MLX_H2O_ISA_NS {
+
+constexpr int QBLOCK = 32;  // activation values per int8 block
+
+/** Quantizes K floats (K a multiple of 32) to int8 blocks: xq (K), d (K / 32) block scales, in the
+ *  layout for `bits`-bit weights. x * (1 / d) is rounded to nearest (|xq| <= 127). */
+static inline void quantize_int8_blocks(const float* x, int K, int bits, int8_t* xq, float* d) {
+  for (int b = 0; b < K / QBLOCK; ++b) {
+    const float* xb = x + b * QBLOCK;
+    v8f amax = zeros8();
+    for (int i = 0; i < QBLOCK; i += 8) {
+      const v8f v = load8(xb + i);
+      amax = vmax(amax, vmax(v, -v));
+    }
+    const float m = hmax(amax);
+    d[b] = m / 127.0f;
+    const v8f inv = splat(m > 0.0f ? 127.0f / m : 0.0f);
+    const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to nearest even
+    int8_t* qb = xq + b * QBLOCK;
+    alignas(32) int32_t r[QBLOCK];
+    for (int i = 0; i < QBLOCK; i += 8) {
+      const v8f t = (load8(xb + i) * inv + magic) - magic;
+      const v8i iv = __builtin_convertvector(t, v8i);
+      __builtin_memcpy(r + i, &iv, sizeof(iv));
+    }
+    if (bits == 4) {
+      for (int k = 0; k < QBLOCK / 2; ++k) {
+        qb[k] = static_cast<int8_t>(r[2 * k]);
+        qb[QBLOCK / 2 + k] = static_cast<int8_t>(r[2 * k + 1]);
+      }
+    } else {
+      for (int i = 0; i < QBLOCK; ++i) qb[i] = static_cast<int8_t>(r[i]);
+    }
+  }
+}
+
+#if defined(MLX_H2O_ISA_AVX2)
+
+/** 32 unsigned 4-bit weights of one block (16 packed bytes), low nibbles then high nibbles. */
+struct U4Block {
+  __m256i w;
+};
+static inline U4Block load_u4_block(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+  return {_mm256_and_si256(both, _mm256_set1_epi8(0x0f))};
+}
+static inline v8i dot_block(const U4Block& b, const int8_t* xq) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i pairs = _mm256_maddubs_epi16(b.w, x);  // |15 * 127 * 2| fits int16
+  return bitcast<v8i>(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/** 32 8-bit weights as q - 128 (signed), and their magnitudes: maddubs multiplies unsigned by
+ *  signed, so the sign moves onto the activations (|128 * 127 * 2| fits int16). */
+struct S8Block {
+  __m256i w, abs_w;
+};
+static inline S8Block load_s8_block(const uint8_t* p) {
+  const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(-128));
+  return {w, _mm256_abs_epi8(w)};
+}
+static inline v8i dot_block(const S8Block& b, const int8_t* xq) {
+  const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), b.w);
+  const __m256i pairs = _mm256_maddubs_epi16(b.abs_w, x);
+  return bitcast<v8i>(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+#else
+
+struct U4Block {
+  uint8_t w[QBLOCK];
+};
+static inline U4Block load_u4_block(const uint8_t* p) {
+  U4Block b;
+  for (int k = 0; k < QBLOCK / 2; ++k) {
+    b.w[k] = p[k] & 0x0f;
+    b.w[QBLOCK / 2 + k] = p[k] >> 4;
+  }
+  return b;
+}
+struct S8Block {
+  int8_t w[QBLOCK];
+};
+static inline S8Block load_s8_block(const uint8_t* p) {
+  S8Block b;
+  for (int i = 0; i < QBLOCK; ++i) b.w[i] = static_cast<int8_t>(p[i] - 128);
+  return b;
+}
+// Either block: 8 partial sums of w . xq.
+template <class Block>
+static inline v8i dot_block(const Block& b, const int8_t* xq) {
+  v8i s = {};
+  for (int i = 0; i < QBLOCK; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += static_cast<int32_t>(b.w[i + j]) * xq[i + j];
+  return s;
+}
+
+#endif
+
+/** The block type of `bits`-bit weights (4: unsigned values; 8: values - 128), its loader, and the
+ *  offset the 8-bit shift adds to each group's bias (bias + 128 * scale). */
+template <int BITS>
+struct PackedBlocks;
+template <>
+struct PackedBlocks<4> {
+  using Block = U4Block;
+  static constexpr float bias_shift = 0.0f;
+  static Block load(const uint8_t* p) { return load_u4_block(p); }
+};
+template <>
+struct PackedBlocks<8> {
+  using Block = S8Block;
+  static constexpr float bias_shift = 128.0f;
+  static Block load(const uint8_t* p) { return load_s8_block(p); }
+};
+
+}  // namespace MLX_H2O_ISA_NS
+}  // namespace mlx_h2o

@@ -1,0 +1,53 @@
+// Plain-data description of one y = x @ W^T over MLX's packed affine weights for the CPU kernels (no
+// MLX types: the kernels are compiled once per instruction set, see isa_variants.inc).
+#pragma once
+
+#include <cstdint>
+
+#include "elem_type.h"
+
+namespace mlx_h2o {
+
+/** W (N, K) in MLX's affine format: w = scale * q + bias per group of `group_size` columns, q packed
+ *  little-endian, `bits` bits each, in uint32 words. Every array row-contiguous. */
+struct PackedWeights {
+  int N = 0, K = 0;
+  const uint32_t* w = nullptr;   // (N, K * bits / 32)
+  const void* scales = nullptr;  // (N, K / group_size)
+  const void* biases = nullptr;  // (N, K / group_size)
+  ElemType scale_type = ElemType::float32;
+  int bits = 4, group_size = 32;
+};
+
+/** y (M, N) = x (M, K) @ W^T, both row-contiguous. */
+struct QuantizedMatmulProblem {
+  PackedWeights W;
+  int M = 0;
+  const void* x = nullptr;
+  ElemType x_type = ElemType::float32;
+  void* out = nullptr;
+  ElemType out_type = ElemType::float32;
+  int threads = 1;
+};
+
+/** out (N, K) row-contiguous = W dequantized (bits 2-8, groups 32/64/128). */
+struct DequantizeProblem {
+  PackedWeights W;
+  void* out = nullptr;
+  ElemType out_type = ElemType::float32;
+  int threads = 1;
+};
+
+/** The integer-dot kernel's formats: bits 4 or 8, group sizes 32, 64 or 128 (multiples of the
+ *  32-value blocks the activations are quantized in), up to QMM_MAX_ROWS rows of x. */
+constexpr int QMM_MAX_ROWS = 8;
+
+/** y = x @ W^T: each row of x quantized once to int8 per 32 values (scale max|x| / 127), integer dot
+ *  products against the packed weights, one float scale per (weight group, activation block) and the
+ *  bias term from the exact per-group sums of x. Threads split the output columns. */
+void quantized_matmul_cpu(const QuantizedMatmulProblem& p);
+
+/** W as floats, vectorized and threaded over rows: what feeds the GEMM for long x (prefill). */
+void dequantize_cpu(const DequantizeProblem& p);
+
+}  // namespace mlx_h2o

@@ -1,0 +1,59 @@
+// rms_norm and rope: mx.fast.rms_norm / mx.fast.rope as one CPU kernel each. On the CPU MLX runs both
+// fast ops as their composed fallbacks (11 and 29 primitives a call); with two of each per layer that
+// is most of a decode step's primitives, each paying dispatch. Other streams run mx.fast's own ops,
+// which are also these primitives' definition (for vjp, jvp and vmap).
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "mlx/ops.h"
+
+#include "composed_primitive.h"
+
+namespace mlx_h2o {
+
+namespace mx = mlx::core;
+
+/** mx.fast.rms_norm(x, weight, eps): x (..., D), weight (D,) or none; same result dtype. */
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps, mx::StreamOrDevice s = {});
+
+/** mx.fast.rope(x, dims, traditional, base, scale, offset) for an integer offset: x (B, H, L, D) or
+ *  (B, L, D), any strides; dims even, <= D. */
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset,
+               mx::StreamOrDevice s = {});
+
+class RMSNormCPU : public ComposedPrimitive {
+ public:
+  RMSNormCPU(mx::Stream stream, float eps, bool has_weight) : ComposedPrimitive(stream), eps_(eps), has_weight_(has_weight) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "RMSNormCPU"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  float eps_;
+  bool has_weight_;
+};
+
+class RoPECPU : public ComposedPrimitive {
+ public:
+  RoPECPU(mx::Stream stream, int dims, bool traditional, float base, float scale, int offset)
+      : ComposedPrimitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale), offset_(offset) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "RoPECPU"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+  int offset_;
+};
+
+}  // namespace mlx_h2o

@@ -1,0 +1,169 @@
+#include "quantized_matmul.h"
+
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+#include "kernels/quantized_matmul_problem.h"
+#include "op_utils.h"
+#include "parallel.h"
+
+namespace mlx_h2o {
+
+namespace {
+
+// Checks W = (w, scales, biases); returns K, the columns of W.
+int check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    fail("group_size must be one of 32, 64, 128, got " + std::to_string(group_size));
+  if (w.ndim() != 2 || w.dtype() != mx::uint32)
+    fail("w must be a 2-D uint32 array (N, K * bits / 32) as mx.quantize returns, got shape " + shape_str(w.shape()));
+  if (scales.ndim() != 2 || scales.shape() != biases.shape())
+    fail("scales and biases must be 2-D arrays of the same shape (N, K / group_size)");
+  if (!is_float_dtype(scales.dtype()) || scales.dtype() != biases.dtype())
+    fail("scales and biases must share one dtype among float32, float16, bfloat16");
+  const int64_t bits_total = static_cast<int64_t>(w.shape(1)) * 32;
+  const int K = bits_total % bits ? -1 : static_cast<int>(bits_total / bits);
+  if (K < 0 || K % group_size != 0 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size)
+    fail("scales " + shape_str(scales.shape()) + " do not match w " + shape_str(w.shape()) + " with bits " +
+         std::to_string(bits) + " and group_size " + std::to_string(group_size) +
+         " (do bits and group_size match the ones used to quantize?)");
+  return K;
+}
+
+// Checks the arguments of quantized_matmul; returns K (x's last axis).
+int check_args(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+               int group_size, int bits) {
+  if (bits != 4 && bits != 8) fail("bits must be one of 4, 8, got " + std::to_string(bits));
+  if (x.ndim() < 1) fail("x must have at least 1 dimension (..., K)");
+  if (!is_float_dtype(x.dtype())) fail("x's dtype must be float32, float16 or bfloat16");
+  const int K = x.shape(-1);
+  if (static_cast<int64_t>(w.ndim() == 2 ? w.shape(1) : 0) * 32 != static_cast<int64_t>(K) * bits)
+    fail("w's words per row do not hold K = " + std::to_string(K) + " " + std::to_string(bits) +
+         "-bit values (x's last axis), w has shape " + shape_str(w.shape()));
+  check_weights(w, scales, biases, group_size, bits);
+  return K;
+}
+
+PackedWeights packed_weights(const mx::array& w, const mx::array& sc, const mx::array& bi, int group_size, int bits) {
+  PackedWeights W;
+  W.N = w.shape(0);
+  W.K = static_cast<int>(static_cast<int64_t>(w.shape(1)) * 32 / bits);
+  W.w = w.data<uint32_t>();
+  W.scales = sc.data<void>();
+  W.biases = bi.data<void>();
+  W.scale_type = elem_type(sc.dtype());
+  W.bits = bits;
+  W.group_size = group_size;
+  return W;
+}
+
+}  // namespace
+
+mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits, mx::Dtype dtype, mx::StreamOrDevice s) {
+  if (bits < 2 || bits > 8 || bits == 7) fail("bits must be one of 2, 3, 4, 5, 6, 8, got " + std::to_string(bits));
+  const int K = check_weights(w, scales, biases, group_size, bits);
+  if (!is_float_dtype(dtype)) fail("dtype must be float32, float16 or bfloat16");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    return mx::astype(mx::dequantize(w, scales, biases, group_size, bits, "affine", {}, std::nullopt, stream), dtype,
+                      stream);
+  return mx::array({w.shape(0), K}, dtype, std::make_shared<DequantizeAffine>(stream, group_size, bits, dtype),
+                   {w, scales, biases});
+}
+
+mx::array quantized_matmul_composed(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                    const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  check_args(x, w, scales, biases, group_size, bits);
+  const auto dtype = mx::promote_types(x.dtype(), scales.dtype());
+  auto dense = mx::dequantize(w, scales, biases, group_size, bits, "affine", {}, std::nullopt, s);
+  return mx::matmul(mx::astype(x, dtype, s), mx::swapaxes(mx::astype(dense, dtype, s), 0, 1, s), s);
+}
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits, int max_rows, mx::StreamOrDevice s) {
+  const int K = check_args(x, w, scales, biases, group_size, bits);
+  auto stream = mx::to_stream(s);
+  const int64_t rows = K > 0 ? static_cast<int64_t>(x.size()) / K : 0;
+  if (max_rows < 0) max_rows = QMM_MAX_ROWS;
+  const auto dtype = mx::promote_types(x.dtype(), scales.dtype());
+  if (stream.device != mx::Device::cpu || rows == 0 || w.shape(0) == 0)
+    return quantized_matmul_composed(x, w, scales, biases, group_size, bits, stream);
+  if (rows > max_rows) {  // prefill: one dequantize pass, then the BLAS GEMM
+    auto dense = dequantize_affine(w, scales, biases, group_size, bits, dtype, stream);
+    return mx::matmul(mx::astype(x, dtype, stream), mx::swapaxes(dense, 0, 1, stream), stream);
+  }
+  mx::Shape shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(std::move(shape), dtype, std::make_shared<QuantizedMatmul>(stream, group_size, bits), {x, w, scales, biases});
+}
+
+void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  const auto in = prepare_contiguous(inputs, outputs, enc);
+  QuantizedMatmulProblem p;
+  p.W = packed_weights(in[1], in[2], in[3], group_size_, bits_);
+  p.M = static_cast<int>(in[0].size() / p.W.K);
+  p.x = in[0].data<void>();
+  p.x_type = elem_type(in[0].dtype());
+  p.out = outputs[0].data<void>();
+  p.out_type = elem_type(outputs[0].dtype());
+  p.threads = kernel_threads();
+  enc.dispatch([p]() { quantized_matmul_cpu(p); });
+}
+
+void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[quantized_matmul] no GPU kernel; the op uses the composed path on GPU streams");
+}
+
+std::vector<mx::array> QuantizedMatmul::composed(const std::vector<mx::array>& inputs) {
+  return {quantized_matmul_composed(inputs[0], inputs[1], inputs[2], inputs[3], group_size_, bits_, stream())};
+}
+
+bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedMatmul&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
+}
+
+}  // namespace mlx_h2o
+
+namespace mlx_h2o {
+
+void DequantizeAffine::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  const auto in = prepare_contiguous(inputs, outputs, enc);
+  DequantizeProblem p;
+  p.W = packed_weights(in[0], in[1], in[2], group_size_, bits_);
+  p.out = outputs[0].data<void>();
+  p.out_type = elem_type(outputs[0].dtype());
+  p.threads = kernel_threads();
+  enc.dispatch([p]() { dequantize_cpu(p); });
+}
+
+void DequantizeAffine::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[dequantize_affine] no GPU kernel; the op uses mx::dequantize on GPU streams");
+}
+
+std::vector<mx::array> DequantizeAffine::composed(const std::vector<mx::array>& inputs) {
+  auto dense = mx::dequantize(inputs[0], inputs[1], inputs[2], group_size_, bits_, "affine", {}, std::nullopt, stream());
+  return {mx::astype(dense, dtype_, stream())};
+}
+
+bool DequantizeAffine::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DequantizeAffine&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && dtype_ == o.dtype_;
+}
+
+std::vector<mx::Shape> DequantizeAffine::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), static_cast<int>(static_cast<int64_t>(inputs[0].shape(1)) * 32 / bits_)}};
+}
+
+}  // namespace mlx_h2o

@@ -1,0 +1,133 @@
+"""`mlx_h2o.rms_norm` / `mlx_h2o.rope` (one CPU kernel each) against float64 NumPy references and
+mx.fast's own ops, and the switch that routes nn.RMSNorm / nn.RoPE through them."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import cache as lm_cache
+
+import mlx_h2o
+from mlx_h2o import cpu_layers
+from tiny_models import tiny_model
+
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+TOL = {mx.float32: 2e-6, mx.float16: 1e-3, mx.bfloat16: 8e-3}
+
+
+def f64(a):
+    return np.array(a.astype(mx.float32), dtype=np.float64)
+
+
+def rope_reference(x, dims, traditional, base, scale, offset):
+    x = f64(x)
+    L, half = x.shape[-2], dims // 2
+    theta = ((offset + np.arange(L)) * scale)[:, None] * base ** (-np.arange(half) / half)[None]
+    c, s = np.cos(theta), np.sin(theta)
+    out = x.copy()
+    i1 = np.arange(0, dims, 2) if traditional else np.arange(half)
+    i2 = i1 + 1 if traditional else i1 + half
+    out[..., i1] = x[..., i1] * c - x[..., i2] * s
+    out[..., i2] = x[..., i1] * s + x[..., i2] * c
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_matches_float64_and_mx_fast(dtype):
+    rng = np.random.default_rng(0)
+    for shape in [(1, 1, 576), (2, 7, 64), (3, 5), (13,)]:
+        x = mx.array((rng.standard_normal(shape) * 3).astype(np.float32)).astype(dtype)
+        for w in [mx.array(rng.standard_normal(shape[-1]).astype(np.float32)).astype(dtype), None]:
+            got = mlx_h2o.rms_norm(x, w, 1e-5)
+            ref = f64(x) / np.sqrt((f64(x) ** 2).mean(-1, keepdims=True) + 1e-5) * (f64(w) if w is not None else 1)
+            expect = mx.fast.rms_norm(x, w, 1e-5)
+            assert got.dtype == expect.dtype and got.shape == x.shape
+            np.testing.assert_allclose(f64(got), ref, rtol=TOL[dtype], atol=TOL[dtype])
+    # Strided x (a transposed view) and a weight of another dtype (result type promotes).
+    x = mx.array(rng.standard_normal((64, 4)).astype(np.float32)).astype(dtype).T
+    w = mx.array(rng.standard_normal(64).astype(np.float32))
+    got = mlx_h2o.rms_norm(x, w, 1e-6)
+    assert got.dtype == mx.fast.rms_norm(x, w, 1e-6).dtype
+    np.testing.assert_allclose(f64(got), f64(mx.fast.rms_norm(x, w, 1e-6)), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_matches_float64(traditional, dtype):
+    rng = np.random.default_rng(1)
+    for shape, dims, offset, base, scale in [((1, 9, 1, 64), 64, 0, 10000.0, 1.0), ((2, 3, 5, 64), 32, 700, 500000.0, 1.0),
+                                             ((1, 4, 3, 80), 80, 8191, 10000.0, 0.25), ((2, 6, 48), 48, 3, 10000.0, 1.0)]:
+        x = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+        got = mlx_h2o.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+        assert got.dtype == dtype and got.shape == x.shape
+        ref = rope_reference(x, dims, traditional, base, scale, offset)
+        np.testing.assert_allclose(f64(got), ref, rtol=TOL[dtype], atol=TOL[dtype])
+        # mx.fast.rope rounds the angles to float32 first: ours is at least as close to float64.
+        fast = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+        assert np.abs(f64(got) - ref).max() <= np.abs(f64(fast) - ref).max() + TOL[dtype]
+
+
+def test_rope_reads_strided_queries():
+    """mlx-lm ropes (B, L, H, D) projections seen as (B, H, L, D)."""
+    rng = np.random.default_rng(2)
+    x = mx.array(rng.standard_normal((2, 5, 9, 64)).astype(np.float32)).transpose(0, 2, 1, 3)
+    got = mlx_h2o.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=17)
+    np.testing.assert_allclose(f64(got), rope_reference(x, 64, False, 10000.0, 1.0, 17), rtol=2e-6, atol=2e-6)
+
+
+def test_gradients_through_the_kernels():
+    rng = np.random.default_rng(3)
+    x = mx.array(rng.standard_normal((2, 3, 4, 32)).astype(np.float32))
+    w = mx.array(rng.standard_normal(32).astype(np.float32))
+    g = mx.array(rng.standard_normal((2, 3, 4, 32)).astype(np.float32))
+    ours = mx.grad(lambda x, w: (mlx_h2o.rms_norm(mlx_h2o.rope(x, 32, traditional=False, base=1e4, scale=1.0, offset=5), w, 1e-5) * g).sum(), argnums=(0, 1))(x, w)
+    stock = mx.grad(lambda x, w: (mx.fast.rms_norm(mx.fast.rope(x, 32, traditional=False, base=1e4, scale=1.0, offset=5), w, 1e-5) * g).sum(), argnums=(0, 1))(x, w)
+    for a, b in zip(ours, stock):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_input():
+    x = mx.ones((1, 2, 3, 8))
+    with pytest.raises(ValueError, match="dims must be even"):
+        mlx_h2o.rope(x, 7, traditional=False, base=1e4, scale=1.0, offset=0)
+    with pytest.raises(ValueError, match="dims must be even"):
+        mlx_h2o.rope(x, 10, traditional=False, base=1e4, scale=1.0, offset=0)
+    with pytest.raises(ValueError, match="offset must be an integer"):
+        mlx_h2o.rope(x, 8, traditional=False, base=1e4, scale=1.0, offset=mx.array(2))
+    with pytest.raises(ValueError, match="x must be a float"):
+        mlx_h2o.rope(x[0, 0, 0], 8, traditional=False, base=1e4, scale=1.0, offset=0)
+    with pytest.raises(ValueError, match="weight must be a float array of shape"):
+        mlx_h2o.rms_norm(x, mx.ones((7,)), 1e-5)
+    with pytest.raises(ValueError, match="x must be a float"):
+        mlx_h2o.rms_norm(x.astype(mx.int32), None, 1e-5)
+
+
+def test_model_layers_use_the_kernels_and_agree_with_stock(monkeypatch):
+    """A tiny llama decodes with nn.RMSNorm / nn.RoPE through the kernels (no model edits), and its
+    logits equal the stock layers' within float32 rounding; the switch turns them off."""
+    model = tiny_model("llama")
+    tokens = mx.array([[3, 17, 99, 5, 42, 7]])
+
+    def logits():
+        cache = lm_cache.make_prompt_cache(model)
+        outs = [model(tokens[:, :4], cache=cache)]
+        outs += [model(tokens[:, t : t + 1], cache=cache) for t in (4, 5)]
+        return np.array(mx.concatenate(outs, axis=1))
+
+    calls = []
+    for name in ("rms_norm", "rope"):
+        real = getattr(mlx_h2o._ext, name)
+        monkeypatch.setattr(mlx_h2o._ext, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    assert cpu_layers.cpu_layer_kernels_enabled()
+    ours = logits()
+    layers = len(model.layers)
+    assert calls.count("rope") == 3 * 2 * layers and calls.count("rms_norm") == 3 * (2 * layers + 1)
+    calls.clear()
+    mlx_h2o.use_cpu_layer_kernels(False)
+    try:
+        assert nn.RMSNorm.__call__ is cpu_layers._stock["RMSNorm.__call__"]
+        stock = logits()
+        assert not calls
+    finally:
+        mlx_h2o.use_cpu_layer_kernels(True)
+    np.testing.assert_allclose(ours, stock, rtol=1e-4, atol=1e-4)
