@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as lm_cache
+from attention_reference import reference
 from tiny_models import CONFIGS, tiny_model
 
 import mlx_h2o
-from mlx_h2o import hook
+from mlx_h2o import _ops, hook
 from mlx_h2o.caches.h2o import H2OConfig, H2OKVCache
 from mlx_h2o.caches.h2o.eviction import keep_count
+from mlx_h2o.storage import role_bits
 
 VOCAB = CONFIGS["llama"]["vocab_size"]
 
@@ -49,13 +51,56 @@ def _greedy_logits(model, cache, token, steps):
 
 
 # ----------------------------------------------------------------------------- NumPy references
-def _np_priority(cfg, acc, pos, offset):
-    if cfg.score == "normalised":
-        return acc / (offset - pos).astype(np.float32)
-    return acc
+def _np_expected(keys, q_mean, q_var, scale):
+    """Expected attention, written out per (b, kv head, query head of its group)."""
+    B, H, N, D = keys.shape
+    G = q_mean.shape[1] // H
+    out = np.zeros((B, H, N))
+    for b in range(B):
+        for h in range(H):
+            for g in range(G):
+                j = h * G + g
+                logit = np.array([scale * q_mean[b, j] @ k + 0.5 * scale**2 * (q_var[b, j] * k * k).sum() for k in keys[b, h].astype(np.float64)])
+                p = np.exp(logit - logit.max())
+                out[b, h] += N * p / p.sum()
+    return out
 
 
-def _np_keep(cfg, acc, pos, offset, L):
+def _np_redundancy(keys):
+    B, H, N, D = keys.shape
+    out = np.zeros((B, H, N))
+    for b in range(B):
+        for h in range(H):
+            c = keys[b, h].astype(np.float64) - keys[b, h].astype(np.float64).mean(axis=0)
+            for i in range(N):
+                sims = [c[i] @ c[j] / max(np.linalg.norm(c[i]) * np.linalg.norm(c[j]), 1e-6) for j in range(i + 1, N)]
+                out[b, h, i] = min(max(max(sims, default=0.0), 0.0), 1.0)
+    return out
+
+
+def _np_chunk(prio, pos, chunk):
+    if chunk <= 1:
+        return prio
+    out = np.empty_like(prio)
+    for b in range(prio.shape[0]):
+        for h in range(prio.shape[1]):
+            cid = pos[b, h] // chunk
+            for i in range(prio.shape[2]):
+                out[b, h, i] = prio[b, h][cid == cid[i]].sum()
+    return out
+
+
+def _np_priority(cfg, acc, pos, offset, content=None):
+    """content: (held keys (B, H, P, D), query mean, query variance (B, Hq, D), scale)."""
+    prio = acc / (offset - pos).astype(np.float32) if cfg.score == "normalised" else acc
+    if cfg.expected > 0:
+        prio = (1 - cfg.expected) * prio + cfg.expected * _np_expected(*content)
+    if cfg.redundancy > 0:
+        prio = prio * (1 - cfg.redundancy * _np_redundancy(content[0]))
+    return _np_chunk(prio, pos, cfg.chunk)
+
+
+def _np_keep(cfg, acc, pos, offset, L, content=None):
     """The selection rule, written out: positions kept per (b, h) before appending L tokens."""
     M, e = cfg.max_kv_size, cfg.evict_every
     P = pos.shape[-1]
@@ -67,7 +112,7 @@ def _np_keep(cfg, acc, pos, offset, L):
     if keep >= P:
         return pos
     recent_old = max(target - cfg.sink - cfg.heavy, 0)
-    prio = _np_priority(cfg, acc, pos, offset)
+    prio = _np_priority(cfg, acc, pos, offset, content)
     protected = (pos < cfg.sink) | (pos >= offset - recent_old)
     for a, b in cfg.pin:
         protected |= (pos >= a) & (pos < b)
@@ -139,6 +184,11 @@ SCHEDULE = [5] + [1] * 40 + [7] + [1] * 25 + [12] + [1] * 10
         dict(score="normalised", evict_every=3, pin=[(6, 9), (20, 22)]),
         dict(score="ema", obs_window=3, obs_pool=3, split="balanced"),
         dict(score="cumulative", split="explicit", sink=2, heavy=9, recent=5),
+        dict(score="normalised", chunk=4),
+        dict(score="cumulative", chunk=3, evict_every=2),
+        dict(score="normalised", expected=0.6),
+        dict(score="normalised", redundancy=0.7, evict_every=3),
+        dict(score="ema", expected=0.3, redundancy=0.5, chunk=2),
     ],
 )
 def test_eviction_and_scores_match_numpy_reference(options):
@@ -148,9 +198,14 @@ def test_eviction_and_scores_match_numpy_reference(options):
     B, Hkv, G, D = 2, 2, 3, 8
     scale = D**-0.5
     ref_keys = {}  # (b, h, position) -> key vector
+    q_mean = q_sq = None  # running query statistics (expected attention)
     evicted = 0
     for L in SCHEDULE:
         before = (np.array(cache.acc[..., : cache.length]), np.array(cache.positions[..., : cache.length])) if cache.length else None
+        content = None
+        if before is not None and (cfg.expected or cfg.redundancy):
+            held = np.stack([[[ref_keys[b, h, p] for p in before[1][b, h]] for h in range(Hkv)] for b in range(B)])
+            content = (held, q_mean, np.maximum(q_sq - q_mean**2, 0), scale)
         k = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
         v = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
         offset = cache.offset
@@ -158,7 +213,7 @@ def test_eviction_and_scores_match_numpy_reference(options):
         pos = np.array(cache.positions[..., : cache.length])
         new = np.broadcast_to(np.arange(offset, offset + L), (B, Hkv, L))
         if before is not None:
-            kept = _np_keep(cfg, *before, offset, L)
+            kept = _np_keep(cfg, *before, offset, L, content)
             evicted += kept.shape[-1] < before[1].shape[-1]
             np.testing.assert_array_equal(pos, np.concatenate([kept, new], axis=-1))
         assert cache.length <= cfg.max_kv_size + cfg.pinned_before(cache.offset) or L > 1
@@ -171,6 +226,10 @@ def test_eviction_and_scores_match_numpy_reference(options):
             for h in range(Hkv):
                 np.testing.assert_array_equal(kk[b, h], np.stack([ref_keys[b, h, p] for p in pos[b, h]]))
         q = rng.standard_normal((B, Hkv * G, L, D)).astype(np.float32)
+        q[:, :, :, 0] += 2.0  # a query direction the statistics can find
+        d = 0.95**L
+        q_mean = q.mean(axis=2) if q_mean is None else d * q_mean + (1 - d) * q.mean(axis=2)
+        q_sq = (q * q).mean(axis=2) if q_sq is None else d * q_sq + (1 - d) * (q * q).mean(axis=2)
         acc = np.array(cache.acc[..., : cache.length])
         out = cache.attend(mx.array(q), keys, values, scale=scale, mask="causal" if L > 1 else None)
         ref_out, ref_acc = _np_update(cfg, acc, q, kk, np.array(values), scale, L, cfg.obs_window, cfg.obs_pool)
@@ -192,7 +251,8 @@ class KeptPositionsReference(lm_cache.KVCache):
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         N, L = keys.shape[2], queries.shape[2]
-        held = self.twin.positions[..., : self.twin.length]  # (B, Hc, n)
+        # (B, Hc, n); per-head budgets keep a padded rectangle whose empty slots never match a position.
+        held = self.twin.positions if hasattr(self.twin, "head_lengths") else self.twin.positions[..., : self.twin.length]
         held = (mx.arange(N)[None, None, :, None] == held[:, :, None, :]).any(axis=-1)  # (B, Hc, N)
         allowed = held[:, :, None, :] & (mx.arange(N)[None, :] <= mx.arange(N - L, N)[:, None])
         allowed = mx.repeat(allowed, queries.shape[1] // allowed.shape[1], axis=1)
@@ -648,7 +708,7 @@ def test_low_bit_caches_save_load_and_trim(tmp_path):
 @pytest.mark.parametrize(
     "options, match",
     [
-        (dict(kv_bits=5), r"kv_bits must be one of '8', '4', '8/4', '4/8', '8/fp', '4/fp', 'mixed'"),
+        (dict(kv_bits=5), r"kv_bits must be one of '8', '4', '8/4', '4/8', '8/fp', '4/fp', 'k8v4', 'k4v8', 'k8v4/8', 'k8v4/fp', 'mixed'"),
         (dict(kv_bits="4/2"), r"kv_bits must be one of '8', '4'"),
         (dict(kv_group_size=48), r"kv_group_size must be one of 32, 64, 128"),
         (dict(rotate="yes"), "rotate must be True or False"),
@@ -680,3 +740,314 @@ def test_16k_decode_soak_holds_a_bounded_number_of_entries():
         mx.eval(y, [c.acc for c in cache])
         assert all(c.size() <= M for c in cache), i
     assert all(c.offset == 32 + steps - 1 and c.peak <= M and c.evictions >= (steps - M) // c.config.evict_every for c in cache)
+
+
+# ----------------------------------------------------------------------------- budgets per layer
+def test_layer_budget_splits_keep_the_total():
+    from mlx_h2o.caches.h2o.budgets import MIN_LAYER_FRACTION, layer_budgets, pyramid_weights, split_total
+
+    cfg = H2OConfig.build(64)
+    for weights in ([1.0] * 5, pyramid_weights(7), [0.1, 5.0, 2.0, 0.0, 3.3, 1.0], [4.6, 1.9, 3.0]):
+        budgets = layer_budgets(cfg, weights)
+        assert sum(budgets) == 64 * len(weights) and min(budgets) >= MIN_LAYER_FRACTION * 64
+        # Above the floor, budgets follow the weights.
+        order = np.argsort(weights, kind="stable")
+        assert all(budgets[a] <= budgets[b] for a, b in zip(order, order[1:]))
+    assert layer_budgets(cfg, [1.0] * 4) == [64] * 4
+    assert split_total(10, [1, 1, 1], 2) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
+    with pytest.raises(ValueError, match="cannot give"):
+        split_total(5, [1, 1, 1], 2)
+
+
+def test_attention_entropy_matches_numpy():
+    from mlx_h2o.caches.h2o.budgets import attention_entropy
+
+    mass = np.random.default_rng(0).random((2, 3, 17)).astype(np.float32) ** 4
+    p = mass / mass.sum(-1, keepdims=True)
+    assert attention_entropy(mx.array(mass)).item() == pytest.approx((-(p * np.log(p)).sum(-1)).mean(), rel=1e-5)
+
+
+@pytest.mark.parametrize("layer_budget", ["pyramid", "dispersion"])
+def test_layer_budgets_keep_the_uniform_total(layer_budget):
+    from mlx_h2o.caches.h2o.budgets import layer_budgets, pyramid_weights
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    M = 24
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, layer_budget=layer_budget)
+    _step_logits(model, _tokens(90, seed=9, batch=2), cache)
+    budgets = [c.config.max_kv_size for c in cache]
+    assert sum(budgets) == 4 * M and len(set(budgets)) > 1
+    for c in cache:
+        assert c.size() <= c.config.max_kv_size and c.evictions > 0 and c.budget_allocated
+        assert c.config.recent == H2OConfig.build(M).recent or c.config.heavy == 0  # the window keeps its size
+    if layer_budget == "pyramid":
+        assert budgets == layer_budgets(H2OConfig.build(M), pyramid_weights(4)) and budgets[0] > budgets[-1]
+    else:
+        g = cache[0].budget_group
+        entropy = [e / n for e, n in zip(g.entropy, g.calls)]
+        assert budgets == layer_budgets(H2OConfig.build(M), entropy) and min(g.calls) > 0
+        # Saved and loaded, a layer keeps its budget.
+        again = H2OKVCache.from_state(cache[1].state, cache[1].meta_state)
+        assert again.config == cache[1].config and again.budget_allocated
+
+
+def test_layer_budget_dispersion_needs_mass_scores():
+    with pytest.raises(ValueError, match="dispersion"):
+        H2OConfig.build(16, layer_budget="dispersion", score="logit_ema")
+
+
+# ----------------------------------------------------------------------------- budgets per head
+def _np_adaptive(prio, protected, valid, keep_total, heavy):
+    from mlx_h2o.caches.h2o.budgets import ADAKV_FLOOR
+
+    B, H, C = prio.shape
+    floor = int(np.ceil(ADAKV_FLOOR * heavy))
+    out = np.zeros(prio.shape, bool)
+    for b in range(B):
+        forced = protected[b] & valid[b]
+        for h in range(H):
+            open_ = [j for j in range(C) if valid[b, h, j] and not protected[b, h, j]]
+            for j in sorted(open_, key=lambda j: -prio[b, h, j])[:floor]:
+                forced[h, j] = True
+        rest = sorted(((h, j) for h in range(H) for j in range(C) if valid[b, h, j] and not forced[h, j]), key=lambda t: -prio[b][t])
+        out[b] = forced
+        for t in rest[: keep_total - forced.sum()]:
+            out[b][t] = True
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_adaptive_head_selection_matches_numpy(seed):
+    from mlx_h2o.caches.h2o.budgets import adaptive_head_selection
+
+    rng = np.random.default_rng(seed)
+    B, H, C = 2, 3, 40
+    lengths = rng.integers(25, C + 1, (B, H))
+    valid = np.arange(C)[None, None] < lengths[..., None]
+    prio = rng.random((B, H, C)).astype(np.float32) * rng.choice([0.1, 1, 10], (1, H, 1))  # heads differ in scale
+    protected = valid & (rng.random((B, H, C)) < 0.15)
+    keep = int(valid.sum(axis=(1, 2)).min()) - 12
+    got = np.array(adaptive_head_selection(mx.array(prio), mx.array(protected), mx.array(valid), keep, heavy=10))
+    np.testing.assert_array_equal(got, _np_adaptive(prio, protected, valid, keep, 10))
+    assert (got.sum(axis=(1, 2)) == keep).all() and not (got & ~valid).any() and (got | ~protected).all()
+
+
+@pytest.mark.parametrize("options", [dict(), dict(evict_every=3), dict(evict_every=2, kv_bits=8), dict(chunk=4, layer_budget="pyramid")])
+def test_adaptive_heads_equal_full_cache_masked_per_head(options):
+    from mlx_h2o.caches.h2o import AdaptiveHeadsKVCache
+
+    model = tiny_model("llama", head_dim=32)
+    x = _tokens(130, seed=11, batch=2)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, head_budget="adaptive", **options)
+    assert all(isinstance(c, AdaptiveHeadsKVCache) for c in cache)
+    if "kv_bits" in options:  # packed rows are a quantized copy of what a reference would see
+        _step_logits(model, x, cache)
+    else:
+        assert _lockstep(model, x, cache, chunk_at=(60, 100)) < 1e-4
+    for c in cache:
+        n = c.head_lengths
+        M, e = c.config.max_kv_size, c.config.evict_every
+        assert (n.sum(axis=1) <= 2 * (M + e - 1)).all() and c.evictions > 10
+        assert (c.store.lengths == n).all()
+        # No padding stored: the K/V bytes are exactly the rows the heads hold.
+        row = 2 * 32 * (4 if "kv_bits" not in options else 1 + 2 * 4 / 32)
+        assert c.store.nbytes() == pytest.approx(n.sum() * row)
+    assert any(len(set(c.head_lengths.ravel())) > 1 for c in cache)  # heads really differ
+
+
+def test_adaptive_heads_reject_what_they_cannot_do():
+    for bad in (dict(select="layer"), dict(obs_window=4), dict(expected=0.5), dict(redundancy=0.5), dict(rotate=True)):
+        with pytest.raises(ValueError, match="adaptive"):
+            H2OConfig.build(16, head_budget="adaptive", **bad)
+    model = tiny_model("llama")
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=16, head_budget="adaptive")
+    assert cache[0].make_mask(4, return_array=True).shape == (4, 4)  # nothing held yet: one mask serves all heads
+    _step_logits(model, _tokens(60, batch=2), cache)
+    ragged = [c for c in cache if len(set(c.head_lengths.ravel())) > 1]
+    assert ragged
+    with pytest.raises(ValueError, match="mask"):
+        ragged[0].make_mask(4, return_array=True)
+
+
+# ----------------------------------------------------------------------------- keep, don't drop
+def _np_merge(keys, values, kept, mult, acc, threshold):
+    B, H, N, D = keys.shape
+    k, v, m, a = keys.astype(np.float64).copy(), values.astype(np.float64).copy(), mult.astype(np.float64).copy(), acc.astype(np.float64).copy()
+    targets = {}
+    for b in range(B):
+        for h in range(H):
+            c = keys[b, h].astype(np.float64) - keys[b, h].astype(np.float64).mean(axis=0)
+            u = c / np.maximum(np.linalg.norm(c, axis=1, keepdims=True), 1e-6)
+            into = {}
+            for e in np.flatnonzero(~kept[b, h]):
+                cand = np.flatnonzero(kept[b, h])
+                r = cand[np.argmax(u[cand] @ u[e])]
+                targets[b, h, e] = r
+                if u[r] @ u[e] >= threshold:
+                    into.setdefault(r, []).append(e)
+            for r, es in into.items():
+                w = np.array([mult[b, h, r]] + [mult[b, h, e] for e in es], np.float64)
+                rows = [r] + es
+                k[b, h, r] = (w[:, None] * keys[b, h, rows]).sum(0) / w.sum()
+                v[b, h, r] = (w[:, None] * values[b, h, rows]).sum(0) / w.sum()
+                m[b, h, r], a[b, h, r] = w.sum(), acc[b, h, rows].sum()
+    return targets, k, v, m, a
+
+
+@pytest.mark.parametrize("threshold", [-1.0, 0.2, 0.9])
+def test_merge_evicted_matches_numpy(threshold):
+    from mlx_h2o.caches.h2o.eviction import merge_evicted
+
+    rng = np.random.default_rng(int(10 * threshold) + 20)
+    B, H, N, D, keep = 2, 2, 14, 8, 9
+    keys = rng.standard_normal((B, H, N, D)).astype(np.float32)
+    keys[:, :, 10] = keys[:, :, 3] + 0.01  # near-duplicates merge at any threshold
+    values = rng.standard_normal((B, H, N, D)).astype(np.float32)
+    kept = np.zeros((B, H, N), bool)
+    for b in range(B):
+        for h in range(H):
+            kept[b, h, rng.permutation([i for i in range(N) if i != 10])[:keep]] = True
+    mult = rng.integers(1, 4, (B, H, N)).astype(np.float32)
+    acc = rng.random((B, H, N)).astype(np.float32)
+    target, k, v, m, a = merge_evicted(*map(mx.array, (keys, values, kept)), keep, mx.array(mult), mx.array(acc), threshold)
+    targets, rk, rv, rm, ra = _np_merge(keys, values, kept, mult, acc, threshold)
+    target = np.array(target)
+    for b in range(B):
+        for h in range(H):
+            evicted = sorted(np.flatnonzero(~kept[b, h]))
+            assert sorted(target[b, h]) == sorted(targets[b, h, e] for e in evicted)
+            for j, r in enumerate(target[b, h]):
+                np.testing.assert_allclose(np.array(k)[b, h, j], rk[b, h, r], rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(np.array(v)[b, h, j], rv[b, h, r], rtol=1e-5, atol=1e-5)
+                assert np.array(m)[b, h, j] == rm[b, h, r] and np.array(a)[b, h, j] == pytest.approx(ra[b, h, r], rel=1e-5)
+    if threshold <= 0.2:
+        assert (rm > mult).any()
+
+
+def test_merged_duplicates_attend_exactly_like_the_full_cache():
+    """Tokens with identical keys and values merged into one entry with log(2) on its logit are
+    exactly the attention over both: proportional attention."""
+    cfg = H2OConfig.build(12, split="explicit", sink=2, heavy=4, recent=6, merge=0.99)
+    cache = H2OKVCache(cfg)
+    rng = np.random.default_rng(5)
+    B, H, G, D = 1, 2, 2, 8
+    base_k = rng.standard_normal((B, H, 20, D)).astype(np.float32)
+    base_v = rng.standard_normal((B, H, 20, D)).astype(np.float32)
+    # Tokens 2..7 repeat tokens 8..13: whatever of them is evicted has an identical kept twin.
+    order = list(range(2)) + list(range(8, 14)) + list(range(8, 20))
+    k_all, v_all = base_k[:, :, order], base_v[:, :, order]
+    exact_after_merge = 0
+    for t in range(k_all.shape[2]):
+        keys, values = cache.update_and_fetch(mx.array(k_all[:, :, t : t + 1]), mx.array(v_all[:, :, t : t + 1]))
+        q = rng.standard_normal((B, H * G, 1, D)).astype(np.float32)
+        out = cache.attend(mx.array(q), keys, values, scale=D**-0.5)
+        ref, _, _ = _np_attention(q, k_all[:, :, : t + 1], v_all[:, :, : t + 1], D**-0.5)
+        # While the held entries are the distinct tokens seen so far, each with its count (nothing was
+        # dropped or blended with a different key), attention must be exact.
+        held, mult = np.array(keys), np.array(cache.mult[..., : cache.length])
+        seen = {j: order[: t + 1].count(j) for j in set(order[: t + 1])}
+        for h in range(H):
+            ids = [int(np.argmin(np.abs(base_k[0, h] - r).sum(-1))) for r in held[0, h]]
+            held_counts = {}
+            for j, m in zip(ids, mult[0, h]):
+                held_counts[j] = held_counts.get(j, 0) + m
+            if held_counts == seen and np.array_equal(held[0, h], base_k[0, h, ids]):
+                group = slice(h * G, (h + 1) * G)
+                np.testing.assert_allclose(np.array(out)[:, group], ref[:, group], rtol=1e-4, atol=1e-5)
+                exact_after_merge += bool(mult[0, h].max() > 1)
+    assert cache.evictions > 0 and exact_after_merge >= 3
+
+
+def test_merge_accounts_for_every_token():
+    model = tiny_model("llama")
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=20, merge=-1.0, evict_every=2)
+    _step_logits(model, _tokens(90, seed=12, batch=2), cache)
+    for c in cache:
+        np.testing.assert_allclose(np.array(c.mult[..., : c.length]).sum(axis=-1), 90)  # every token is in some entry
+    # A threshold no pair of keys reaches merges nothing: plain h2o.
+    plain = _step_logits(model, _tokens(90, seed=12, batch=2), mlx_h2o.make_cache(model, "h2o", max_kv_size=20, evict_every=2))
+    never = _step_logits(model, _tokens(90, seed=12, batch=2), mlx_h2o.make_cache(model, "h2o", max_kv_size=20, evict_every=2, merge=0.99999))
+    np.testing.assert_allclose(never, plain, atol=1e-5)
+    with pytest.raises(ValueError, match="one storage format"):
+        H2OConfig.build(16, merge=0.5, kv_bits="mixed")
+
+
+# ----------------------------------------------------------------------------- evicted entries at low bits
+@pytest.mark.parametrize("options", [dict(evicted_bits=4), dict(evicted_bits="k8v4", evicted_share=0.25, score="cumulative"),
+                                     dict(evicted_bits=2, kv_bits=8, evict_every=3)])
+def test_archive_attends_over_both_tiers_at_equal_bytes(options):
+    from mlx_h2o.caches.h2o import ArchiveKVCache
+
+    cfg = H2OConfig.build(16, **options)
+    cache = ArchiveKVCache(cfg)
+    plain = H2OKVCache(H2OConfig.build(16, **{k: v for k, v in options.items() if not k.startswith("evicted")}))
+    rng = np.random.default_rng(len(repr(options)))
+    B, H, G, D = 2, 2, 2, 32
+    scale = D**-0.5
+    bits = role_bits(cfg.evicted_format())
+    originals = {}  # (b, h, position) -> (key, value)
+    for L in [6] + [1] * 70 + [5] + [1] * 10:
+        k = rng.standard_normal((B, H, L, D)).astype(np.float32)
+        v = rng.standard_normal((B, H, L, D)).astype(np.float32)
+        for b in range(B):
+            for h in range(H):
+                for j in range(L):
+                    originals[b, h, cache.offset + j] = (k[b, h, j], v[b, h, j])
+        for c in (cache, plain):
+            keys, values = c.update_and_fetch(mx.array(k), mx.array(v))
+            if c is cache:
+                own = (keys, values)
+        q = rng.standard_normal((B, H * G, L, D)).astype(np.float32)
+        T = cache.archive.length
+        arch_acc = None if not T else np.array(cache.archive_acc[..., :T])
+        acc = np.array(cache.acc[..., : cache.length])
+        out = cache.attend(mx.array(q), *own, scale=scale, mask="causal" if L > 1 else None)
+        plain.attend(mx.array(q), keys, values, scale=scale, mask="causal" if L > 1 else None)
+        ak, av = (np.zeros((B, H, 0, D), np.float32),) * 2 if not T else map(np.array, cache.archive.read_rows())
+        ck, cv = map(np.array, cache.store.read_rows())
+        # Packed 4-/8-bit keys are dotted with int8-rounded queries (attention_reference.int8_queries).
+        int8 = _ops.int8_queries()  # the extension's option; mx.fast's op (MLX_H2O_OPS=mlx) keeps float queries
+        int8_keys = [int8 and bits[0] in (4, 8)] * T + [int8 and cfg.kv_bits is not None] * cache.length
+        ref, mass, _ = reference(mx.array(q), mx.array(np.concatenate([ak, ck], 2)), mx.array(np.concatenate([av, cv], 2)), scale,
+                                 "causal" if L > 1 else None, None, np.array(int8_keys))
+        np.testing.assert_allclose(np.array(out), ref, rtol=1e-4, atol=1e-4)
+        mass = mass / L
+        N = T + cache.length
+        live = N - (L - 1) / 2
+        upd = (lambda a, m: a + L * live * m) if cfg.score == "normalised" else (lambda a, m: a + L * m)
+        np.testing.assert_allclose(np.array(cache.acc[..., : cache.length]), upd(acc, mass[..., T:]), rtol=1e-4, atol=1e-6)
+        if T:
+            np.testing.assert_allclose(np.array(cache.archive_acc[..., :T]), upd(arch_acc, mass[..., :T]), rtol=1e-4, atol=1e-6)
+    # The archive holds evicted entries, quantized: each row is its original's packed copy.
+    T = cache.archive.length
+    assert T == cache.archive_size and cache.evictions > 20
+    pos = np.array(cache.archive_positions[..., :T])
+    held = np.array(cache.positions[..., : cache.length])
+    ak, av = map(np.array, cache.archive.read_rows())
+    for b in range(B):
+        for h in range(H):
+            assert not set(pos[b, h]) & set(held[b, h]) and len(set(pos[b, h])) == T
+            for i, p in enumerate(pos[b, h]):
+                for got, orig, nb in ((ak, originals[b, h, p][0], bits[0]), (av, originals[b, h, p][1], bits[1])):
+                    want = np.array(mx.dequantize(*mx.quantize(mx.array(orig[None]), group_size=32, bits=nb), group_size=32, bits=nb))[0]
+                    if cfg.kv_bits is None:
+                        np.testing.assert_allclose(got[b, h, i], want, atol=1e-5)
+                    else:  # packed twice (the cache's format, then the archive's): close to the original
+                        assert np.abs(got[b, h, i] - orig).max() < 4 * np.abs(want - orig).max() + 0.05
+    # Equal bytes: cache + archive hold no more than the plain cache of M entries (and nearly as much).
+    assert 0.85 * plain.nbytes <= cache.nbytes <= plain.nbytes
+
+
+def test_archive_options_and_budget_split():
+    from mlx_h2o.caches.h2o.archive import row_bytes
+
+    assert row_bytes(None, 64, 64, 32, 4) == 512 and row_bytes(2, 64, 64, 32, 4) == 64 and row_bytes((8, 4), 64, 64, 32, 4) == 128
+    for bad, match in [(dict(merge=0.5), "merge"), (dict(head_budget="adaptive"), "adaptive"), (dict(layer_budget="pyramid"), "layer_budget"),
+                       (dict(evicted_share=0.99), "evicted_share")]:
+        with pytest.raises(ValueError, match=match):
+            H2OConfig.build(16, evicted_bits=4, **bad)
+    model = tiny_model("llama", head_dim=32)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=256, evicted_bits=2, evicted_share=0.5)
+    _step_logits(model, _tokens(20, batch=1), cache)
+    # fp32 rows of 2 x 32 x 4 = 256 bytes (+ 8) against 2-bit rows of 2 x (8 + 8) = 32 (+ 8).
+    assert cache[0].config.max_kv_size == 128 and cache[0].archive_size == 128 * 264 // 40

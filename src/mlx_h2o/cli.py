@@ -32,6 +32,11 @@ def _positive_int(text):
     return value
 
 
+def _add_doc_set_args(p):
+    p.add_argument("--doc-set", type=int, default=None, help="draw samples from document set K (0 = tuning, 1 and 2 = held out; disjoint sets of 8 documents); default: the seeded document order")
+    p.add_argument("--policy-batch", type=_positive_int, default=1, help="decode this many policies together in one batch (same NLLs; the model's weights are read once per step for all)")
+
+
 def _option_type(option):
     """argparse type for an option of a policy's table: its own parser and error message."""
 
@@ -162,6 +167,7 @@ def cmd_generate(args) -> int:
 
 def cmd_eval(args) -> int:
     from .evaluation import load_corpus, token_samples
+    from .evaluation.corpus import set_samples
     from .evaluation.report import perplexity_markdown, plot_sweep, speed_markdown, write_json
     from .evaluation.runner import parse_specs, perplexity_table, speed_table
 
@@ -173,11 +179,18 @@ def cmd_eval(args) -> int:
     print(f"attention: {_attention_desc()}", file=sys.stderr)
     rows = []
     for seq_len in args.seq_len:
-        samples = token_samples(tokenizer, corpus, args.samples, seq_len, seed=args.seed)
+        if args.doc_set is None:
+            samples = token_samples(tokenizer, corpus, args.samples, seq_len, seed=args.seed)
+        else:
+            samples = set_samples(tokenizer, corpus, args.doc_set, args.samples, seq_len, seed=args.seed)
         print(f"seq {seq_len}: samples from " + ", ".join(os.path.basename(s[0]) for s in samples), file=sys.stderr)
-        rows += perplexity_table(model, specs, samples, prefill=args.prefill, batch_size=args.batch_size, progress=not args.quiet)
+        rows += perplexity_table(model, specs, samples, prefill=args.prefill, batch_size=args.batch_size,
+                                 progress=not args.quiet, policy_batch_size=args.policy_batch)
+    for r in rows:
+        r["doc_set"] = args.doc_set
     print(perplexity_markdown(rows))
-    payload = {"corpus": corpus.name, "blas": mlx_h2o.blas_backend(), "attention": _attention_desc(), "perplexity": rows}
+    payload = {"corpus": corpus.name, "blas": mlx_h2o.blas_backend(), "attention": _attention_desc(),
+               "doc_set": args.doc_set, "perplexity": rows}
     if args.speed_context:
         context = token_samples(tokenizer, corpus, 1, args.speed_context + 1, seed=args.seed)[0][1]
         speed = speed_table(model, specs, context, steps=args.speed_steps, progress=not args.quiet)
@@ -210,6 +223,34 @@ def cmd_passkey(args) -> int:
     print(passkey_markdown(rows))
     if args.json:
         write_json(args.json, {"context": args.context, "budget": args.budget, "passkey": rows})
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_recall(args) -> int:
+    from .evaluation import load_corpus
+    from .evaluation.corpus import document_set
+    from .evaluation.recall import recall_markdown, recall_sequences, recall_table
+    from .evaluation.report import write_json
+    from .evaluation.runner import parse_specs
+
+    specs = _with_h2o_flags(parse_specs(args.cache, args.max_kv_size or ()), args)
+    corpus = load_corpus(args.text_files)
+    model, tokenizer = _load(args)
+    docs = document_set(tokenizer, corpus, args.doc_set, seed=args.seed)
+    print(f"doc set {args.doc_set}: " + ", ".join(os.path.basename(d[0]) for d in docs), file=sys.stderr)
+    rows = []
+    for chunk in args.chunk or [None]:
+        for span in args.span:
+            for filler in args.filler:
+                sequences = recall_sequences(docs, span, filler, args.trials)
+                rows += recall_table(model, specs, sequences, chunk=chunk, prefill=args.prefill,
+                                     policy_batch_size=args.policy_batch or None, progress=not args.quiet)
+    for r in rows:
+        r["doc_set"] = args.doc_set
+    print(recall_markdown(rows))
+    if args.json:
+        write_json(args.json, {"corpus": corpus.name, "doc_set": args.doc_set, "recall": rows})
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
@@ -255,7 +296,7 @@ def cmd_convert(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-h2o", description="Bounded-memory LLM inference for MLX / mlx-lm.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval,passkey,options,convert}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval,passkey,recall,options,convert}")
     policies = sorted(mlx_h2o.POLICIES)
 
     g = sub.add_parser("generate", help="stream a generation with a chosen KV cache policy")
@@ -283,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=_positive_int, default=None, help="samples decoded together (default: all)")
     e.add_argument("--text-files", nargs="+", default=None, help="evaluate on these text files instead of the default corpus")
     e.add_argument("--seed", type=int, default=0)
+    _add_doc_set_args(e)
     e.add_argument("--speed-context", type=_positive_int, default=None, help="also measure decode speed after a context of this many tokens")
     e.add_argument("--speed-steps", type=_positive_int, default=64)
     e.add_argument("--json", default=None, help="write all results to this JSON file")
@@ -305,6 +347,24 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--quiet", action="store_true")
     _add_h2o_args(k)
     k.set_defaults(func=cmd_passkey)
+
+    r = sub.add_parser("recall", help="recall probe: a span of real text, unrelated filler, the span again (NLL on the repeat)")
+    _add_model_args(r)
+    r.add_argument("--cache", nargs="+", default=["full", "rotating", "h2o"], metavar="SPEC", help="policies, optionally name:key=value,... (give full and rotating for the recovered share)")
+    r.add_argument("--max-kv-size", nargs="+", type=_positive_int, default=[256], metavar="M", help="budgets for bounded policies")
+    r.add_argument("--span", nargs="+", type=_positive_int, default=[64], metavar="S", help="span lengths in tokens")
+    r.add_argument("--filler", nargs="+", type=_positive_int, default=[1000], metavar="F", help="filler lengths in tokens between the span and its repeat")
+    r.add_argument("--trials", type=_positive_int, default=4, help="sequences per (span, filler), each span from another document of the set")
+    r.add_argument("--chunk", nargs="+", type=_positive_int, default=None, metavar="C", help="feed everything before the repeat as a prompt in chunks of C tokens (prefill-time eviction); default: token by token")
+    r.add_argument("--prefill", type=_positive_int, default=32, help="tokens prefilled in one call before token-by-token decoding")
+    r.add_argument("--policy-batch", type=_positive_int, default=None, help="policies decoded together in one batch (default: all)")
+    r.add_argument("--text-files", nargs="+", default=None, help="documents from these text files instead of the default corpus")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--doc-set", type=int, default=0, help="document set (0 = tuning, 1 and 2 = held out; disjoint sets of 8 documents)")
+    r.add_argument("--json", default=None)
+    r.add_argument("--quiet", action="store_true")
+    _add_h2o_args(r)
+    r.set_defaults(func=cmd_recall)
 
     o = sub.add_parser("options", help="the cache policies' options (the tables the docs show)")
     o.add_argument("policy", nargs="*", help=f"print these policies' option tables ({', '.join(policies)}; default: all)")

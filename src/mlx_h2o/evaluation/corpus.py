@@ -95,38 +95,77 @@ def _source_of(doc_id: str) -> str:
     return doc_id.split(":")[0] if ":" in doc_id else os.path.dirname(doc_id)
 
 
-def token_samples(
-    tokenizer, corpus: Corpus, n_samples: int, length: int, seed: int = 0
-) -> List[Tuple[str, List[int]]]:
-    """`n_samples` token sequences of exactly `length` tokens, each from a different document.
-
-    Documents are drawn in a seeded order that alternates between the corpus's sources (licences
-    vs. Python docs), so a small sample still mixes genres. Deterministic for a given corpus/seed.
-    """
-    if n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-    if length < 2:
-        raise ValueError(f"length must be >= 2 tokens, got {length}")
+def _documents_in_order(tokenizer, corpus: Corpus, min_tokens: int, seed: int):
+    """(document id, all its token ids) for every document with >= `min_tokens` tokens, in a seeded
+    order that alternates between the corpus's sources (licences vs. Python docs), so a small
+    sample still mixes genres. Deterministic for a given corpus/seed; documents are tokenized as
+    they are reached."""
     rng = random.Random(seed)
-    candidates = [d for d in corpus.documents if len(d[1]) >= length * CHARS_PER_TOKEN_LOWER_BOUND]
+    candidates = [d for d in corpus.documents if len(d[1]) >= min_tokens * CHARS_PER_TOKEN_LOWER_BOUND]
     rng.shuffle(candidates)
-    # Round-robin over sources (licences, Python docs, ...) so a small sample still mixes genres.
     by_source = {}
     for doc in candidates:
         by_source.setdefault(_source_of(doc[0]), []).append(doc)
     queues = [by_source[k] for k in sorted(by_source)]
-    samples = []
     while any(queues):
         for q in queues:
             while q:
                 name, text = q.pop()
                 ids = tokenizer.encode(text)
-                if len(ids) >= length:
-                    samples.append((name, list(ids[:length])))
+                if len(ids) >= min_tokens:
+                    yield name, list(ids)
                     break
-            if len(samples) == n_samples:
-                return samples
+
+
+def token_samples(
+    tokenizer, corpus: Corpus, n_samples: int, length: int, seed: int = 0
+) -> List[Tuple[str, List[int]]]:
+    """`n_samples` token sequences of exactly `length` tokens (each document's first ones), each from
+    a different document, in the seeded round-robin order of `_documents_in_order`."""
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    if length < 2:
+        raise ValueError(f"length must be >= 2 tokens, got {length}")
+    samples = []
+    for name, ids in _documents_in_order(tokenizer, corpus, length, seed):
+        samples.append((name, ids[:length]))
+        if len(samples) == n_samples:
+            return samples
     raise ValueError(
         f"only {len(samples)} documents of {corpus.name} have >= {length} tokens; "
         f"need n_samples={n_samples}: lower n_samples or the length, or give more text files"
     )
+
+
+# Disjoint document sets (tuning vs held-out text). Set k is documents [k * SET_DOCS, (k + 1) *
+# SET_DOCS) of the seeded order of documents with >= SET_MIN_TOKENS tokens, so membership does not
+# depend on the sample length, and set 0's first four documents are the samples of
+# `token_samples(n_samples=4, length=2048)` (the documents earlier results were measured on).
+SET_DOCS = 8
+SET_MIN_TOKENS = 2048
+N_SETS = 3
+
+
+def document_set(tokenizer, corpus: Corpus, index: int, seed: int = 0) -> List[Tuple[str, List[int]]]:
+    """The SET_DOCS documents of set `index` (0-based): (document id, all its tokens), each with at
+    least SET_MIN_TOKENS tokens. Sets with different indices share no document."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"doc set index must be an integer >= 0, got {index!r}")
+    docs = []
+    for doc in _documents_in_order(tokenizer, corpus, SET_MIN_TOKENS, seed):
+        docs.append(doc)
+        if len(docs) == (index + 1) * SET_DOCS:
+            return docs[index * SET_DOCS :]
+    raise ValueError(
+        f"{corpus.name} has {len(docs)} documents of >= {SET_MIN_TOKENS} tokens: too few for doc set {index} "
+        f"({SET_DOCS} documents per set)"
+    )
+
+
+def set_samples(tokenizer, corpus: Corpus, index: int, n_samples: int, length: int, seed: int = 0):
+    """`n_samples` samples of `length` tokens from the first documents of set `index`."""
+    if not 1 <= n_samples <= SET_DOCS:
+        raise ValueError(f"n_samples must be in [1, {SET_DOCS}] with a doc set, got {n_samples}")
+    if not 2 <= length <= SET_MIN_TOKENS:
+        raise ValueError(f"length must be in [2, {SET_MIN_TOKENS}] with a doc set, got {length}")
+    return [(name, ids[:length]) for name, ids in document_set(tokenizer, corpus, index, seed)[:n_samples]]

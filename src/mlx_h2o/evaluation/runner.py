@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 
 from ..caches import POLICIES, make_cache
 from ..options import parse_key_values
-from .memory import kv_bytes, memory_snapshot
+from .batched import policy_batch, policy_kv_bytes
+from .memory import memory_snapshot
 from .perplexity import autoregressive_nll
 from .speed import decode_benchmark
 
@@ -51,10 +52,6 @@ def parse_specs(specs: Sequence[str], max_kv_sizes: Sequence[int] = ()) -> List[
     return out
 
 
-def _make_batch_cache(model, spec: PolicySpec):
-    return make_cache(model, spec.policy, **spec.options)
-
-
 def perplexity_table(
     model,
     specs: Sequence[PolicySpec],
@@ -62,46 +59,59 @@ def perplexity_table(
     prefill: int = 32,
     batch_size: Optional[int] = None,
     progress: bool = True,
+    policy_batch_size: int = 1,
 ) -> List[dict]:
     """Autoregressive PPL of every spec over the same `samples` [(doc id, tokens)], batched.
 
-    Rows carry PPL, ΔPPL % vs the full cache (when "full" is among the specs), KV bytes per
-    sequence at the end, peak MLX memory and throughput.
+    `policy_batch_size` > 1 decodes that many policies together, each over its own rows of one
+    batch (evaluation/batched.py: the same NLLs, the weights read once per step for all of them);
+    their rows then share `seconds` and `tok_s`. Rows carry PPL, ΔPPL % vs the full cache (when
+    "full" is among the specs), KV bytes per sequence at the end, peak MLX memory and throughput.
     """
     tokens = np.array([s[1] for s in samples], dtype=np.int32)
     n, length = tokens.shape
     batch_size = batch_size or n
+    if policy_batch_size < 1:
+        raise ValueError(f"policy_batch_size must be >= 1, got {policy_batch_size}")
     rows = []
-    for spec in specs:
-        nll = []
-        kv = []
+    for g in range(0, len(specs), policy_batch_size):
+        group = specs[g : g + policy_batch_size]
+        nll = {i: [] for i in range(len(group))}
+        kv = {i: [] for i in range(len(group))}
         mem_peak = 0
         t0 = time.perf_counter()
-        with tqdm(total=n * (length - 1), desc=spec.label, unit="tok", disable=not progress, leave=False) as bar:
+        label = ", ".join(s.label for s in group)
+        with tqdm(total=n * (length - 1), desc=label[:80], unit="tok", disable=not progress, leave=False) as bar:
             for i in range(0, n, batch_size):
                 batch = tokens[i : i + batch_size]
-                cache = _make_batch_cache(model, spec)
-                nll.append(autoregressive_nll(model, batch, cache, prefill=prefill, progress=lambda k: bar.update(k * len(batch))))
-                kv.append(kv_bytes(cache) / len(batch))
+                b = len(batch)
+                caches = policy_batch([make_cache(model, s.policy, **s.options) for s in group], b)
+                out = autoregressive_nll(model, np.concatenate([batch] * len(group)), caches, prefill=prefill,
+                                         progress=lambda k: bar.update(k * b))
+                for p in range(len(group)):
+                    nll[p].append(out[p * b : (p + 1) * b])
+                    kv[p].append(policy_kv_bytes(caches, p) / b)
                 mem_peak = max(mem_peak, memory_snapshot()["mlx_peak_bytes"])
         seconds = time.perf_counter() - t0
-        nll = np.concatenate(nll, axis=0)
-        rows.append(
-            {
-                "label": spec.label,
-                "policy": spec.policy,
-                "options": dict(spec.options),
-                "max_kv_size": spec.options.get("max_kv_size"),
-                "seq_len": length,
-                "samples": n,
-                "ppl": math.exp(nll.mean()),
-                "sample_ppl": [math.exp(x) for x in nll.mean(axis=1)],
-                "kv_bytes_per_seq": float(np.mean(kv)),
-                "mlx_peak_bytes": mem_peak,
-                "seconds": seconds,
-                "tok_s": n * (length - 1) / seconds,
-            }
-        )
+        for p, spec in enumerate(group):
+            x = np.concatenate(nll[p], axis=0)
+            rows.append(
+                {
+                    "label": spec.label,
+                    "policy": spec.policy,
+                    "options": dict(spec.options),
+                    "max_kv_size": spec.options.get("max_kv_size"),
+                    "seq_len": length,
+                    "samples": n,
+                    "ppl": math.exp(x.mean()),
+                    "sample_ppl": [math.exp(v) for v in x.mean(axis=1)],
+                    "kv_bytes_per_seq": float(np.mean(kv[p])),
+                    "mlx_peak_bytes": mem_peak,
+                    "seconds": seconds,
+                    "tok_s": len(group) * n * (length - 1) / seconds,
+                    "policies_batched": len(group),
+                }
+            )
     full = [r["ppl"] for r in rows if r["policy"] == "full"]
     for r in rows:
         r["delta_pct"] = 100.0 * (r["ppl"] / full[0] - 1.0) if full else None

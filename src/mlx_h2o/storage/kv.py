@@ -15,10 +15,17 @@ The interface every storage (and the rotation wrapper, storage/rotation.py) offe
                                       dense rows (models may use them directly), else (segments(), None)
   prepare_queries(q), restore_output(o, dtype)
                                       the attention-side transforms (identity here; a rotation there)
+  read_rows()                         every row's (keys, values) as dense float32 arrays in row order, in
+                                      the stored space (for policies that look at key / value content)
+  write_rows(idx, keys, values)       overwrite rows idx (B, H, n) with dense keys / values (B, H, n, D)
+                                      in the stored space (packed rows are re-quantized)
   nbytes(), state(), load(state)
+
+A format is `bits` (None = the model's dtype, or 2-8 packed) for K and V alike, or a (k_bits,
+v_bits) pair: keys are the sensitive half, so K8/V4 spends its bits where they matter.
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
@@ -38,11 +45,18 @@ class KVStorage:
         return out
 
 
-class KVStore(KVStorage):
-    """K and V rows in one format: dense (`bits=None`) or packed at `bits`."""
+def role_bits(bits) -> Tuple[Optional[int], Optional[int]]:
+    """A format (module docstring) as (k_bits, v_bits)."""
+    return tuple(bits) if isinstance(bits, (tuple, list)) else (bits, bits)
 
-    def __init__(self, bits: Optional[int] = None, group_size: int = 32):
-        self.k, self.v = RowStore(bits, group_size), RowStore(bits, group_size)
+
+class KVStore(KVStorage):
+    """K and V rows in one format: dense (`bits=None`), packed at `bits`, or K and V at their own
+    bits (`bits=(k_bits, v_bits)`)."""
+
+    def __init__(self, bits=None, group_size: int = 32):
+        k_bits, v_bits = role_bits(bits)
+        self.k, self.v = RowStore(k_bits, group_size), RowStore(v_bits, group_size)
         self.length = 0
 
     @property
@@ -76,6 +90,13 @@ class KVStore(KVStorage):
         """Rows [start, stop) of K and V as dense values in the stored dtype."""
         return self.k.decode(start, stop, self.k.dtype), self.v.decode(start, stop, self.v.dtype)
 
+    def read_rows(self):
+        return self.k.decode(0, self.length, mx.float32), self.v.decode(0, self.length, mx.float32)
+
+    def write_rows(self, idx: mx.array, keys: mx.array, values: mx.array) -> None:
+        self.k.write_at(idx, keys)
+        self.v.write_at(idx, values)
+
     def trim(self, n: int) -> None:
         self.length -= n
 
@@ -83,7 +104,7 @@ class KVStore(KVStorage):
         return [(self.k.view(self.length), self.v.view(self.length))] if self.length else []
 
     def fetch(self):
-        if self.k.bits is None:
+        if self.k.bits is None and self.v.bits is None:
             return self.k.view(self.length), self.v.view(self.length)
         return super().fetch()
 
@@ -109,7 +130,7 @@ class TieredKV(KVStorage):
     `window` rows. A compaction keeps the high tier whole (the protected newest rows) and gathers in
     the low tier."""
 
-    def __init__(self, low_bits: Optional[int], high_bits: Optional[int], window: int, group_size: int = 32):
+    def __init__(self, low_bits, high_bits, window: int, group_size: int = 32):
         self.low, self.high = KVStore(low_bits, group_size), KVStore(high_bits, group_size)
         self.window = window
 
@@ -137,6 +158,13 @@ class TieredKV(KVStorage):
         low_keep = keep - self.high.length
         self.low.gather(idx[..., :low_keep], low_keep, capacity=capacity)
 
+    def read_rows(self):
+        (lk, lv), (hk, hv) = self.low.read_rows(), self.high.read_rows()
+        return mx.concatenate([lk, hk], axis=2), mx.concatenate([lv, hv], axis=2)
+
+    def write_rows(self, idx, keys, values) -> None:
+        raise ValueError("rows of a two-tier storage cannot be rewritten in place; use one format")
+
     def trim(self, n: int) -> None:
         from_high = min(n, self.high.length)
         self.high.trim(from_high)
@@ -156,9 +184,9 @@ class TieredKV(KVStorage):
         self.high.load(state["high"])
 
 
-def make_kv_storage(low_bits: Optional[int], high_bits: Optional[int], window: int, group_size: int = 32) -> KVStorage:
+def make_kv_storage(low_bits, high_bits, window: int, group_size: int = 32) -> KVStorage:
     """One format when both tiers agree, else older rows at `low_bits` and the newest `window` rows at
-    `high_bits` (None: the model's dtype)."""
-    if low_bits == high_bits:
+    `high_bits` (formats as in the module docstring; None: the model's dtype)."""
+    if role_bits(low_bits) == role_bits(high_bits):
         return KVStore(low_bits, group_size)
     return TieredKV(low_bits, high_bits, window, group_size)

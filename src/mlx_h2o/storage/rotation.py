@@ -161,6 +161,12 @@ class RotatedKV(KVStorage):
     def segments(self) -> list:
         return self.inner.segments()
 
+    def read_rows(self):
+        return self.inner.read_rows()
+
+    def write_rows(self, idx, keys, values) -> None:
+        self.inner.write_rows(idx, keys, values)
+
     def prepare_queries(self, queries):
         return self.rotation.queries(queries)
 

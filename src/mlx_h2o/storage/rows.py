@@ -90,6 +90,18 @@ class RowStore:
         for a, r in zip(self.arrays, rows):
             a[:, :, start : start + n] = r
 
+    def write_at(self, idx: mx.array, rows: mx.array) -> None:
+        """Overwrite rows idx (B, H, n) with dense `rows` (B, H, n, ...), encoded in this format."""
+        B, H, C = self.arrays[0].shape[:3]
+        flat = (idx + (mx.arange(B * H, dtype=idx.dtype) * C).reshape(B, H, 1)).reshape(-1)
+        enc = self.encode(rows.astype(self.dtype))
+        out = []
+        for a, r in zip(self.arrays, enc):
+            f = a.reshape(B * H * C, *a.shape[3:])
+            f[flat] = r.reshape(-1, *r.shape[3:])
+            out.append(f.reshape(a.shape))
+        self.arrays = tuple(out)
+
     def gather(self, idx: mx.array) -> None:
         """Keep rows idx (B, H, k), in that order (k may exceed the rows kept: padding indices make
         spare capacity)."""

@@ -18,12 +18,26 @@ SPLIT_HEAVY_FRACTION = {"heavy": 1 / 2, "balanced": 1 / 4, "recent": 1 / 8}
 # M/16 tokens instead of every token, for ~3 % fewer entries held on average (docs/h2o.md, "eviction").
 DEFAULT_EVICT_DIVISOR = 16
 SELECTIONS = ("head", "layer")
+LAYER_BUDGETS = ("uniform", "pyramid", "dispersion")
+EVICTED_BITS = ("2", "3", "4", "8", "k8v4", "k4v2")
+HEAD_BUDGETS = ("uniform", "adaptive")
 KV_GROUP_SIZES = (32, 64, 128)
-# Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype.
+# Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype;
+# "k8v4" = 8-bit keys with 4-bit values (keys are the sensitive half), "k4v8" the reverse.
 # "mixed" = 4/8: the newest rows take most of the attention, and a row is converted once, downwards,
 # when it leaves the window.
-KV_BITS = ("8", "4", "8/4", "4/8", "8/fp", "4/fp")
+KV_BITS = ("8", "4", "8/4", "4/8", "8/fp", "4/fp", "k8v4", "k4v8", "k8v4/8", "k8v4/fp")
 KV_BITS_ALIASES = (("mixed", "4/8"), (8, "8"), (4, "4"))
+
+
+def _tier_bits(tier: str):
+    """"fp" -> None, "8" -> 8, "k8v4" -> (8, 4): a storage format (storage/kv.py)."""
+    if tier == "fp":
+        return None
+    if tier.startswith("k"):
+        k, _, v = tier[1:].partition("v")
+        return int(k), int(v)
+    return int(tier)
 
 
 def _parse_spans(name, text: str):
@@ -68,10 +82,28 @@ OPTIONS = (
     Option("obs_window", Int(0), 0, "score a prompt by what its last N tokens attend to (SnapKV; 0 = off)"),
     Option("obs_pool", Int(1), 7, "pooling width of the observation-window scores"),
     Option("pool", Int(1), 1, "rank an entry by the best priority within a centred window of N entries (1 = off)"),
+    Option("chunk", Int(1), 1, "rank and evict contiguous chunks of N positions by their summed priority (ChunkKV; 1 = single entries)"),
+    Option("expected", Float(0.0, 1.0), 0.0,
+           "weight of the expected attention of future queries (running query mean and variance) in the priority (Expected Attention; 0 = off)"),
+    Option("redundancy", Float(0.0, 1.0), 0.0,
+           "discount for keys a newer key repeats: priority x (1 - w x cosine similarity) (R-KV; 0 = off)"),
+    Option("merge", Float(-1.0, 1.0), None,
+           "keep, don't drop: fold an evicted entry into the kept entry whose key is most similar when their cosine similarity "
+           ">= this (K/V averaged, + log multiplicity on its logit; CaM / D2O); unset: evicted entries are dropped"),
+    Option("evicted_bits", Choice(EVICTED_BITS, ((2, "2"), (3, "3"), (4, "4"), (8, "8"))), None,
+           "keep, don't drop: evicted entries move to a third tier at these bits (`k8v4`: 8-bit keys, 4-bit values), "
+           "attended with the rest; unset: they are dropped"),
+    Option("evicted_share", Float(0.0, 1.0), 0.5,
+           "with evicted_bits: the share of the bytes of M entries given to that tier (the cache keeps the rest, at equal total bytes)"),
+    Option("layer_budget", Choice(LAYER_BUDGETS), "uniform",
+           "M per layer at the same total: `uniform`, `pyramid` (1.5 M at the first layer to 0.5 M at the last; PyramidKV), "
+           "`dispersion` (by the attention entropy each layer showed until the cache first filled; CAKE)"),
+    Option("head_budget", Choice(HEAD_BUDGETS), "uniform",
+           "heavy entries per kv head: `uniform` (the same per head) or `adaptive` (one budget per layer, shared by its heads by priority; Ada-KV)"),
     Option("pin", Custom(_check_spans, _parse_spans, "spans `S:E;S:E`"), None,
            "token ranges never evicted (outside the budget)"),
     Option("kv_bits", Choice(KV_BITS, KV_BITS_ALIASES), None,
-           "store K/V packed: 8, 4, or OLDER/RECENT bits (`fp` = model dtype; `mixed` = 4/8); unset: model dtype"),
+           "store K/V packed: 8, 4, `k8v4` (8-bit keys, 4-bit values), or OLDER/RECENT formats (`fp` = model dtype; `mixed` = 4/8); unset: model dtype"),
     Option("kv_group_size", Choice(KV_GROUP_SIZES), 32, "values sharing one scale and bias when packed"),
     Option("rotate", Flag(), False, "rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality"),
     Option("rotate_lam", Choice(LAMBDA_MODES, ((None, "none"),)), DEFAULT_LAMBDA, "per-coordinate scale of the rotation"),
@@ -94,6 +126,14 @@ class H2OConfig:
     obs_window: int
     obs_pool: int
     pool: int
+    chunk: int
+    expected: float
+    redundancy: float
+    merge: Optional[float]
+    evicted_bits: Optional[str]
+    evicted_share: float
+    layer_budget: str
+    head_budget: str
     pin: Tuple[Tuple[int, int], ...]
     kv_bits: Optional[str]
     kv_group_size: int
@@ -117,7 +157,24 @@ class H2OConfig:
                 raise ValueError(f"heavy and recent are set by split={o['split']!r}; give split='explicit' to choose them")
             heavy = min(int(M * SPLIT_HEAVY_FRACTION[o["split"]]), M - sink)
             recent = M - sink - heavy
-        make_rule(o["score"], o["decay"])  # decay must suit the rule
+        rule = make_rule(o["score"], o["decay"])  # decay must suit the rule
+        if o["head_budget"] == "adaptive":
+            clash = {"select='layer'": o["select"] == "layer", "obs_window": o["obs_window"] > 0,
+                     "expected": o["expected"] > 0, "redundancy": o["redundancy"] > 0, "rotate": o["rotate"],
+                     "merge": o["merge"] is not None}
+            if any(clash.values()):
+                raise ValueError(f"head_budget='adaptive' does not combine with {', '.join(k for k, v in clash.items() if v)}")
+        if o["evicted_bits"] is not None:
+            clash = {"merge": o["merge"] is not None, "head_budget='adaptive'": o["head_budget"] == "adaptive",
+                     f"layer_budget={o['layer_budget']!r}": o["layer_budget"] != "uniform"}
+            if any(clash.values()):
+                raise ValueError(f"evicted_bits does not combine with {', '.join(k for k, v in clash.items() if v)}")
+            if M - round(o["evicted_share"] * M) <= sink:
+                raise ValueError(f"evicted_share={o['evicted_share']} leaves no entry beyond the sink in the cache")
+        if o["merge"] is not None and o["kv_bits"] is not None and "/" in str(o["kv_bits"]):
+            raise ValueError("merge rewrites kept rows in place: it needs one storage format (kv_bits without a '/')")
+        if o["layer_budget"] == "dispersion" and rule.op_scores != "mass":
+            raise ValueError(f"layer_budget='dispersion' measures attention mass; score={o['score']!r} sees logits")
         # An eviction keeps at least the sink entries of the old context: M - evict_every >= sink.
         evict_every = o["evict_every"]
         if evict_every is None:
@@ -130,8 +187,11 @@ class H2OConfig:
         if self.kv_bits is None:
             return None, None
         older, _, recent = self.kv_bits.partition("/")
-        as_bits = lambda t: None if t == "fp" else int(t)  # noqa: E731
-        return as_bits(older), as_bits(recent or older)
+        return _tier_bits(older), _tier_bits(recent or older)
+
+    def evicted_format(self):
+        """The third tier's storage format (storage/kv.py), or None when evicted entries are dropped."""
+        return None if self.evicted_bits is None else _tier_bits(self.evicted_bits)
 
     def to_json(self) -> dict:
         return asdict(self)

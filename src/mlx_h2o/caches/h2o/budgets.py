@@ -1,0 +1,130 @@
+"""How the h2o budget is spread: over layers (`layer_budget`) and over the kv heads of a layer
+(`head_budget`), always at the total of the uniform cache (M entries per head and layer), so every
+comparison is at the same memory.
+
+- `pyramid` (PyramidKV): a fixed linear schedule, (1 + PYRAMID_SLOPE) M at the first layer down to
+  (1 - PYRAMID_SLOPE) M at the last; lower layers attend more broadly.
+- `dispersion` (CAKE): each layer's share follows the entropy of its attention (in nats, averaged
+  over the calls and heads it served) until the cache first fills, when the budgets are fixed once
+  for all layers. CAKE also weighs the temporal variance of attention; this uses the entropy alone.
+- head `adaptive` (Ada-KV): one heavy-hitter budget per layer (H x heavy entries), filled jointly
+  from all kv heads by priority, so a head whose attention is concentrated on few entries yields
+  slots to a head that spreads it; each head keeps at least ADAKV_FLOOR of the uniform share (Ada-KV's
+  safeguard). Priorities of the `normalised` rule are comparable across heads (uniform attention
+  scores G in every head). Heads then hold different numbers of entries: see cache.py for the layout.
+
+In every case the recent window keeps its size (the newest tokens matter most); only the heavy part
+grows or shrinks.
+"""
+
+from dataclasses import replace
+from typing import List, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .options import H2OConfig
+
+PYRAMID_SLOPE = 0.5
+MIN_LAYER_FRACTION = 0.25  # no layer gets less than this share of M
+ADAKV_FLOOR = 0.2
+FLOOR_KEY = 3.0e38  # ranks a head's floor entries above every priority, below protected ones (inf)
+
+
+def layer_config(config: H2OConfig, budget: int) -> H2OConfig:
+    """`config` with M = `budget` for one layer: the recent window keeps its size while the budget
+    allows, the heavy part takes the rest."""
+    budget = max(int(budget), config.sink + 1)
+    heavy = max(budget - config.sink - config.recent, 0)
+    recent = budget - config.sink - heavy
+    return replace(config, max_kv_size=budget, heavy=heavy, recent=recent, evict_every=min(config.evict_every, budget - config.sink))
+
+
+def split_total(total: int, weights: Sequence[float], floor: int) -> List[int]:
+    """Integers >= floor, proportional to `weights` above the floor, summing to `total` (largest
+    remainders)."""
+    n = len(weights)
+    w = np.maximum(np.asarray(weights, dtype=np.float64), 0.0)
+    spare = total - floor * n
+    if spare < 0:
+        raise ValueError(f"a total of {total} cannot give {n} layers {floor} entries each")
+    share = w / w.sum() * spare if w.sum() > 0 else np.full(n, spare / n)
+    out = np.floor(share).astype(int)
+    for i in np.argsort(-(share - out), kind="stable")[: spare - out.sum()]:
+        out[i] += 1
+    return [floor + int(x) for x in out]
+
+
+def pyramid_weights(n_layers: int) -> List[float]:
+    if n_layers == 1:
+        return [1.0]
+    return [1.0 + PYRAMID_SLOPE * (1.0 - 2.0 * i / (n_layers - 1)) for i in range(n_layers)]
+
+
+def layer_budgets(config: H2OConfig, weights: Sequence[float]) -> List[int]:
+    """Per-layer M at the uniform total (len(weights) x M), by `weights`, each >= the floor."""
+    M = config.max_kv_size
+    floor = max(int(MIN_LAYER_FRACTION * M), config.sink + 1)
+    floor = min(floor, M)
+    n = len(weights)
+    # Weights above the floor: scale so the budgets, not just the spare, follow the weights.
+    w = np.asarray(weights, dtype=np.float64)
+    target = w / w.sum() * (M * n) if w.sum() > 0 else np.full(n, float(M))
+    return split_total(M * n, np.maximum(target - floor, 0.0), floor)
+
+
+def attention_entropy(mass: mx.array) -> mx.array:
+    """Mean entropy (nats) of the attention distributions in `mass` (B, H, N) (each (b, h) row
+    normalised to sum 1): how widely a layer attends."""
+    p = mass / mx.maximum(mass.sum(axis=-1, keepdims=True), 1e-30)
+    return -(p * mx.log(mx.maximum(p, 1e-30))).sum(axis=-1).mean()
+
+
+class LayerBudgetGroup:
+    """The h2o caches of one model under `layer_budget="dispersion"`: they report their attention
+    entropy until the first of them fills, then `allocate` fixes every layer's budget at once."""
+
+    def __init__(self, config: H2OConfig):
+        self.config = config
+        self.caches = []
+        self.entropy: List[float] = []
+        self.calls: List[int] = []
+        self.allocated = False
+
+    def add(self, cache) -> int:
+        self.caches.append(cache)
+        self.entropy.append(0.0)
+        self.calls.append(0)
+        return len(self.caches) - 1
+
+    def observe(self, index: int, entropy: float) -> None:
+        self.entropy[index] += entropy
+        self.calls[index] += 1
+
+    def allocate(self) -> None:
+        weights = [e / max(c, 1) for e, c in zip(self.entropy, self.calls)]
+        for cache, budget in zip(self.caches, layer_budgets(self.config, weights)):
+            cache.config = layer_config(self.config, budget)
+            cache.budget_allocated = True
+        self.allocated = True
+
+
+def adaptive_head_selection(priority: mx.array, protected: mx.array, valid: mx.array, keep_total: int, heavy: int) -> mx.array:
+    """Ada-KV: which entries each kv head keeps when the layer keeps `keep_total` per batch row.
+    priority, protected, valid: (B, H, C) (valid: the slot holds an entry). Every protected entry
+    is kept, each head keeps its best ceil(ADAKV_FLOOR x heavy) unprotected entries, and the rest of
+    the layer's budget goes to the highest priorities over all heads. Returns a (B, H, C) bool mask
+    with keep_total True per batch row."""
+    B, H, C = priority.shape
+    floor = int(np.ceil(ADAKV_FLOOR * heavy))
+    open_prio = mx.where(valid & ~protected, priority, -mx.inf)
+    key = mx.where(valid, priority, -mx.inf)
+    if floor > 0:
+        kth = mx.sort(open_prio, axis=-1)[..., C - min(floor, C)][..., None]  # floor-th best per head
+        key = mx.where((open_prio >= kth) & (open_prio > -mx.inf), FLOOR_KEY, key)
+    key = mx.where(protected & valid, mx.inf, key).reshape(B, H * C)
+    chosen = mx.argpartition(-key, kth=keep_total - 1, axis=-1)[:, :keep_total]
+    mask = mx.zeros((B, H * C), mx.bool_)
+    rows = mx.broadcast_to(mx.arange(B)[:, None], chosen.shape)
+    mask[rows.reshape(-1), chosen.reshape(-1)] = True
+    return mask.reshape(B, H, C)
