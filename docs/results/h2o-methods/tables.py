@@ -1,5 +1,5 @@
-"""Per-set tables of docs/results/issue16/README.md from the JSON files beside it:
-python3 docs/results/issue16/tables.py (PPL rows from ppl_set*.json, recall from recall_set*.json and
+"""Per-set tables of docs/results/h2o-methods/README.md from the JSON files beside it:
+python3 docs/results/h2o-methods/tables.py (PPL rows from ppl_set*.json, recall from recall_set*.json and
 the set-0 screens)."""
 
 import json
