@@ -168,7 +168,7 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from .evaluation import load_corpus, token_samples
     from .evaluation.corpus import set_samples
-    from .evaluation.report import perplexity_markdown, plot_sweep, speed_markdown, write_json
+    from .evaluation.report import perplexity_markdown, plot_sweep, speed_markdown
     from .evaluation.runner import parse_specs, perplexity_table, speed_table
 
     specs = _with_h2o_flags(parse_specs(args.cache, args.max_kv_size or ()), args)
@@ -198,8 +198,7 @@ def cmd_eval(args) -> int:
         print(speed_markdown(speed))
         payload["speed"] = speed
     if args.json:
-        write_json(args.json, payload)
-        print(f"wrote {args.json}", file=sys.stderr)
+        _write_json(args.json, payload)
     if args.plot:
         if plot_sweep(rows, args.plot):
             print(f"wrote {args.plot}", file=sys.stderr)
@@ -211,7 +210,6 @@ def cmd_eval(args) -> int:
 def cmd_passkey(args) -> int:
     from .evaluation import load_corpus
     from .evaluation.passkey import passkey_markdown, passkey_trials, run_passkey
-    from .evaluation.report import write_json
     from .evaluation.runner import parse_specs
 
     if not 0.0 < args.budget <= 1.0:
@@ -222,16 +220,21 @@ def cmd_passkey(args) -> int:
     rows = run_passkey(model, tokenizer, specs, trials, prefill_step_size=args.prefill_step_size, progress=not args.quiet)
     print(passkey_markdown(rows))
     if args.json:
-        write_json(args.json, {"context": args.context, "budget": args.budget, "passkey": rows})
-        print(f"wrote {args.json}", file=sys.stderr)
+        _write_json(args.json, {"context": args.context, "budget": args.budget, "passkey": rows})
     return 0
+
+
+def _write_json(path, payload):
+    from .evaluation.report import write_json
+
+    write_json(path, payload)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def cmd_recall(args) -> int:
     from .evaluation import load_corpus
     from .evaluation.corpus import document_set
     from .evaluation.recall import recall_markdown, recall_sequences, recall_table
-    from .evaluation.report import write_json
     from .evaluation.runner import parse_specs
 
     specs = _with_h2o_flags(parse_specs(args.cache, args.max_kv_size or ()), args)
@@ -250,8 +253,7 @@ def cmd_recall(args) -> int:
         r["doc_set"] = args.doc_set
     print(recall_markdown(rows))
     if args.json:
-        write_json(args.json, {"corpus": corpus.name, "doc_set": args.doc_set, "recall": rows})
-        print(f"wrote {args.json}", file=sys.stderr)
+        _write_json(args.json, {"corpus": corpus.name, "doc_set": args.doc_set, "recall": rows})
     return 0
 
 
