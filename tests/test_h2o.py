@@ -604,6 +604,23 @@ def test_cli_passkey_runs(smollm):
     assert "| full |" in r.stdout and "| h2o(M=64,obs_window=16) |" in r.stdout
 
 
+@pytest.mark.parametrize("command", ["passkey", "eval", "recall"])
+def test_every_model_command_honours_attention(command, monkeypatch):
+    """`--attention stock` reaches every subcommand that loads a model (passkey once loaded the model
+    itself, so its baselines ran mlx-lm's attention whatever the flag said)."""
+    from mlx_h2o import cli
+
+    class Loaded(Exception):
+        pass
+
+    chosen = []
+    monkeypatch.setattr(mlx_h2o, "use_fast_cpu_attention", lambda on=True: chosen.append(on))
+    monkeypatch.setattr(mlx_h2o, "load", lambda *a, **k: (_ for _ in ()).throw(Loaded()))
+    with pytest.raises(Loaded):
+        cli.main([command, "--attention", "stock", "--cache", "full", "--quiet"])
+    assert chosen == [False]
+
+
 # ----------------------------------------------------------------------------- low-bit storage
 def _layer0_full_kv(model, x):
     """Layer 0's keys and values for every position of x. They depend on the tokens and positions
