@@ -613,9 +613,12 @@ def test_every_model_command_honours_attention(command, monkeypatch):
     class Loaded(Exception):
         pass
 
+    def load(*args, **kwargs):
+        raise Loaded  # stop once the model would load: the attention switch has been set by then
+
     chosen = []
     monkeypatch.setattr(mlx_h2o, "use_fast_cpu_attention", lambda on=True: chosen.append(on))
-    monkeypatch.setattr(mlx_h2o, "load", lambda *a, **k: (_ for _ in ()).throw(Loaded()))
+    monkeypatch.setattr(mlx_h2o, "load", load)
     with pytest.raises(Loaded):
         cli.main([command, "--attention", "stock", "--cache", "full", "--quiet"])
     assert chosen == [False]
@@ -863,8 +866,8 @@ def test_adaptive_heads_equal_full_cache_masked_per_head(options):
         assert _lockstep(model, x, cache, chunk_at=(60, 100)) < 1e-4
     for c in cache:
         n = c.head_lengths
-        M, e = c.config.max_kv_size, c.config.evict_every
-        assert (n.sum(axis=1) <= 2 * (M + e - 1)).all() and c.evictions > 10
+        M = c.config.max_kv_size
+        assert (n.sum(axis=1) <= 2 * M).all() and c.evictions > 10  # 2 kv heads, never more than M each on average
         assert (c.store.lengths == n).all()
         # No padding stored: the K/V bytes are exactly the rows the heads hold.
         row = 2 * 32 * (4 if "kv_bits" not in options else 1 + 2 * 4 / 32)
