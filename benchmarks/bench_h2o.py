@@ -11,6 +11,7 @@
 
     python benchmarks/bench_h2o.py [--context 8192] [--budget 512] [--slack 1 4 16 64] [--long-prompt 32768]
     python benchmarks/bench_h2o.py --parts 4 --soak 16384 --budget 256
+    python benchmarks/bench_h2o.py --parts 1 --budget 256 --also h2o:evicted_bits=2,rotate=true,score=cumulative
 
 Step times are medians over interleaved rounds (other work on the machine shifts them all alike).
 """
@@ -28,6 +29,7 @@ from mlx_h2o.caches.h2o import H2OKVCache
 from mlx_h2o.evaluation import decode_benchmark, decode_step_times, load_corpus, token_samples
 from mlx_h2o.evaluation.memory import _current_rss_bytes
 from mlx_h2o.evaluation.report import markdown_table
+from mlx_h2o.evaluation.runner import parse_specs
 
 
 def _prefill(model, cache, tokens, chunk=512):
@@ -36,14 +38,16 @@ def _prefill(model, cache, tokens, chunk=512):
     mx.eval([c.state for c in cache])
 
 
-def speed_at_context(model, tokens, context, budget, steps, rounds, score):
-    """Decode tok/s per configuration, the configurations interleaved over `rounds` (medians)."""
+def speed_at_context(model, tokens, context, budget, steps, rounds, score, also=()):
+    """Decode tok/s per configuration, the configurations interleaved over `rounds` (medians);
+    `also`: more policy specs (`name:key=value,...`, e.g. an h2o variant) timed in the same rounds."""
     configs = [
         (f"full @ {context}", "full", {}, context),
         (f"full @ {budget}", "full", {}, budget),
         (f"h2o(M={budget}) @ {context}", "h2o", {"max_kv_size": budget, "score": score}, context),
         (f"h2o(M={budget}, evict_every=1) @ {context}", "h2o", {"max_kv_size": budget, "score": score, "evict_every": 1}, context),
     ]
+    configs += [(f"{spec.label} @ {context}", spec.policy, spec.options, context) for spec in parse_specs(also, [budget])]
     runs = {label: [] for label, *_ in configs}
     for _ in tqdm(range(rounds), desc="speed rounds", leave=False):
         for label, policy, opts, ctx in configs:
@@ -134,6 +138,8 @@ def main():
     ap.add_argument("--long-prompt", type=int, default=32768, help="0 skips part 3")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--score", default=None, help="h2o scoring rule (default: the policy's)")
+    ap.add_argument("--also", nargs="+", default=[], metavar="SPEC",
+                    help="part 1: more policies timed in the same rounds, name:key=value,... (bounded ones default to --budget)")
     ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--soak", type=int, default=16384, help="decode steps of part 4")
     args = ap.parse_args()
@@ -147,7 +153,7 @@ def main():
     tokens = token_samples(tokenizer, load_corpus(), 1, max(args.context, 2 * args.slack_budget) + 512)[0][1]
     if 1 in args.parts:
         print(f"\n## Decode speed at {args.context} tokens of context\n")
-        print(speed_at_context(model, tokens, args.context, args.budget, args.steps, args.rounds, score))
+        print(speed_at_context(model, tokens, args.context, args.budget, args.steps, args.rounds, score, args.also))
     if 2 in args.parts:
         print("\n## Eviction overhead vs slack\n")
         print(eviction_overhead(model, tokens, args.slack_budget, args.slack, args.steps, args.rounds, score))

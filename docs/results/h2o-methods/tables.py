@@ -1,6 +1,6 @@
 """Per-set tables of docs/results/h2o-methods/README.md from the JSON files beside it:
 python3 docs/results/h2o-methods/tables.py (PPL rows from ppl_set*.json, recall from recall_set*.json and
-the set-0 screens)."""
+the set-0 screens); python3 docs/results/h2o-methods/tables.py --plot [PNG] draws ΔPPL against M per set."""
 
 import json
 import sys
@@ -22,6 +22,63 @@ def load(pattern, field):
     return rows
 
 
+def per_document(row, ppl, M):
+    """The ΔPPL ratio vs the window document by document, as min–max (how much one document moves it)."""
+    full = next((r for r in ppl.values() if r["policy"] == "full"), None)
+    window = next((r for r in ppl.values() if r["policy"] == "rotating" and r["max_kv_size"] == M), None)
+    if row["policy"] in ("full", "rotating") or not full or not window or len(row["sample_ppl"]) < 2:
+        return "-"
+    ratios = [(p - f) / (w - f) for p, f, w in zip(row["sample_ppl"], full["sample_ppl"], window["sample_ppl"]) if w != f]
+    return f"{min(ratios):.2f}–{max(ratios):.2f}"
+
+
+def label(r):
+    """A row's name; an h2o cache with no heavy hitters is a (packed) sliding window with 4 sinks."""
+    o = {a: b for a, b in r["options"].items() if a != "max_kv_size"}
+    if r["policy"] == "h2o" and o.get("split") == "explicit" and o.get("heavy") == 0:
+        bits = o.get("kv_bits")
+        return f"window, {bits}-bit{' rotated' if o.get('rotate') else ''} (h2o heavy=0)"
+    if r["policy"] == "rotating":
+        return "window, fp32 (rotating)"
+    return r["policy"] + ("(" + ",".join(f"{a}={b}" for a, b in sorted(o.items())) + ")" if o else "")
+
+
+def bytes_table(doc_set, window_M=256):
+    """Policies held to the bytes of the fp32 window at `window_M` (ppl_bytes*_set*.json, 70-110 % of its
+    bytes), against that window and against the 8-bit window of the same bytes."""
+    ppl = load(f"ppl_set{doc_set}.json", "perplexity")
+    ppl.update(load(f"ppl_bytes*_set{doc_set}.json", "perplexity"))
+    full = next((r["ppl"] for r in ppl.values() if r["policy"] == "full"), None)
+    window = next((r for r in ppl.values() if r["policy"] == "rotating" and r["options"] == {"max_kv_size": window_M}), None)
+    if full is None or window is None:
+        return "(not measured)"
+    budget = window["kv_bytes_per_seq"]
+    rows = [r for r in ppl.values() if r["policy"] != "full" and r["max_kv_size"] and 0.7 * budget <= r["kv_bytes_per_seq"] <= 1.1 * budget
+            and (r["max_kv_size"] > window_M or r is window)]
+    w8 = next((r for r in rows if label(r).startswith("window, 8-bit")), None)
+    out = [f"| policy | M | KV MB/seq | PPL | ΔPPL vs full | ΔPPL ratio vs fp32 window (M = {window_M}) | vs 8-bit window (same bytes) |",
+           "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["ppl"], reverse=True):
+        d = r["ppl"] - full
+        vs8 = f"{d / (w8['ppl'] - full):.2f}×" if w8 else "-"
+        out.append(f"| {label(r)} | {r['max_kv_size']} | {r['kv_bytes_per_seq'] / 2**20:.2f} | {r['ppl']:.3f} | "
+                   f"{100 * d / full:+.2f} % | {d / (window['ppl'] - full):.2f}× | {vs8} |")
+    return "\n".join(out)
+
+
+def recall_sweep(pattern):
+    """Every recall row of the files matching `pattern`: share recovered per policy, budget, span, filler, chunk."""
+    rows = [r for f in sorted(HERE.glob(pattern)) for r in json.load(open(f))["recall"]]
+    if not rows:
+        return "(not measured)"
+    out = ["| set | span | filler | prompt fed | policy | M | NLL on the repeat | recall share | KV MB/seq |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["doc_set"], r["span"], r["filler"], str(r["chunk"]), r["max_kv_size"] or 0, r["policy"] != "full", r["policy"] != "rotating")):
+        share = "-" if r["recovered"] is None else f"{100 * r['recovered']:.0f} %"
+        fed = f"chunks of {r['chunk']}" if r["chunk"] else "token by token"
+        out.append(f"| {r['doc_set']} | {r['span']} | {r['filler']} | {fed} | {label(r)} | {r['max_kv_size'] or '-'} | {r['nll']:.3f} | {share} | {r['kv_bytes_per_seq'] / 2**20:.2f} |")
+    return "\n".join(out)
+
+
 def table(doc_set):
     ppl = load(f"ppl_set{doc_set}.json", "perplexity")
     recall_files = [f"recall_set{doc_set}.json"] + (["screen_recall_archive*_set0.json"] if doc_set == 0 else [])
@@ -30,8 +87,8 @@ def table(doc_set):
         recall.update({k: v for k, v in load(pattern, "recall").items() if v["span"] == 64 and v["filler"] == 1000 and k not in recall})
     full = next((r["ppl"] for r in ppl.values() if r["policy"] == "full"), None)
     window = {r["max_kv_size"]: r["ppl"] for r in ppl.values() if r["policy"] == "rotating"}
-    out = ["| policy | M | PPL | ΔPPL vs full | ΔPPL ratio vs window | recall share (S=64, F=1000) | KV MB/seq (PPL, seq 2048) | KV MB/seq (recall) |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| policy | M | PPL | ΔPPL vs full | ΔPPL ratio vs window | per document | recall share (S=64, F=1000) | KV MB/seq (PPL, seq 2048) | KV MB/seq (recall) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for k in sorted(set(ppl) | set(recall), key=lambda k: (k[1] or 0, k[0] != "full", k[0] != "rotating", k[2] != "{}", k[2])):
         p, q = ppl.get(k), recall.get(k)
         r = p or q
@@ -42,9 +99,10 @@ def table(doc_set):
             d = p["ppl"] - full if full else None
             dw = window.get(k[1], None)
             ratio = d / (dw - full) if (d is not None and dw and dw != full and k[0] != "full") else None
-            cells += [f"{p['ppl']:.3f}", f"{100 * d / full:+.2f} %" if d is not None else "-", "-" if ratio is None else f"{ratio:.2f}×"]
+            cells += [f"{p['ppl']:.3f}", f"{100 * d / full:+.2f} %" if d is not None else "-", "-" if ratio is None else f"{ratio:.2f}×",
+                      per_document(p, ppl, k[1])]
         else:
-            cells += ["-", "-", "-"]
+            cells += ["-", "-", "-", "-"]
         cells.append("-" if not q or q["recovered"] is None else f"{100 * q['recovered']:.0f} %")
         cells.append(f"{p['kv_bytes_per_seq'] / 2**20:.2f}" if p else "-")
         cells.append(f"{q['kv_bytes_per_seq'] / 2**20:.2f}" if q else "-")
@@ -52,8 +110,74 @@ def table(doc_set):
     return "\n".join(out)
 
 
+def summary(sets=(0, 1, 2)):
+    """ΔPPL ratio vs the window per bounded policy and M, one column per set (the headline table)."""
+    ratios = {}
+    for s in sets:
+        ppl = load(f"ppl_set{s}.json", "perplexity")
+        full = next((r["ppl"] for r in ppl.values() if r["policy"] == "full"), None)
+        window = {r["max_kv_size"]: r["ppl"] for r in ppl.values() if r["policy"] == "rotating"}
+        for k, r in ppl.items():
+            if r["policy"] != "full" and full and window.get(k[1]):
+                opts = ",".join(f"{a}={b}" for a, b in sorted(json.loads(k[2]).items()))
+                name = ("window" if r["policy"] == "rotating" else r["policy"]) + (f"({opts})" if opts else "")
+                ratios.setdefault((k[1], name), {})[s] = ((r["ppl"] - full) / (window[k[1]] - full), 100 * (r["ppl"] - full) / full)
+    head = " | ".join(f"set {s} ({'tuning' if s == 0 else 'held out'})" for s in sets)
+    out = [f"| M | policy | {head} |", "|---|---|" + "---|" * len(sets)]
+    for (M, name), per_set in sorted(ratios.items(), key=lambda kv: (kv[0][0], kv[0][1] != "window", kv[0][1])):
+        cells = [f"{per_set[s][0]:.2f}× ({per_set[s][1]:+.1f} %)" if s in per_set else "-" for s in sets]
+        out.append(f"| {M} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def plot(path, sets=(0, 1, 2)):
+    """ΔPPL vs full against M, one panel per set, one line per policy (the per-set tables as a picture)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), sharey=True)
+    for ax, s in zip(axes, sets):
+        ppl = load(f"ppl_set{s}.json", "perplexity")
+        full = next((r["ppl"] for r in ppl.values() if r["policy"] == "full"), None)
+        lines = {}
+        for r in ppl.values():
+            if r["max_kv_size"] and full:
+                opts = ",".join(f"{a}={b}" for a, b in sorted(r["options"].items()) if a != "max_kv_size")
+                lines.setdefault(r["policy"] + (f"({opts})" if opts else ""), []).append((r["max_kv_size"], 100 * (r["ppl"] - full) / full))
+        for name, pts in sorted(lines.items()):
+            xs, ys = zip(*sorted(pts))
+            ax.plot(xs, ys, marker="o", label=name.replace("rotating", "window"))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([128, 256, 512], ["128", "256", "512"])
+        ax.set_title(f"set {s} ({'tuning' if s == 0 else 'held out'})")
+        ax.set_xlabel("M (entries per head and layer)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("ΔPPL vs full cache (%)")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--plot"]:
+        plot(sys.argv[2] if len(sys.argv) > 2 else HERE / "ppl_vs_budget.png")
+        sys.exit()
+    print("### ΔPPL ratio vs the window (ΔPPL vs full in brackets), seq 2048, 4 documents per set\n")
+    print(summary())
+    print()
     for s in map(int, sys.argv[1:] or ["0", "1", "2"]):
         print(f"### Set {s} ({'tuning' if s == 0 else 'held out'})\n")
         print(table(s))
         print()
+    for title, pattern in [("Recall sweep: span, filler and budget (chunked prompt)", "recall_sweep_set*.json"),
+                           ("Recall at equal bytes, filler 2000", "recall_bytes_set*.json"),
+                           ("Recall, token-by-token probe (no chunked prompt)", "recall_tokens_set*.json")]:
+        print(f"### {title}\n")
+        print(recall_sweep(pattern))
+        print()
+    for s in map(int, sys.argv[1:] or ["0", "1", "2"]):
+        for M in (128, 256):
+            print(f"### Equal bytes: the bytes of an fp32 window of {M}, set {s} ({'tuning' if s == 0 else 'held out'})\n")
+            print(bytes_table(s, M))
+            print()
