@@ -74,6 +74,14 @@ def recall_sweep(pattern):
     out = ["| set | span | filler | prompt fed | policy | M | NLL on the repeat | recall share | KV MB/seq |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["doc_set"], r["span"], r["filler"], str(r["chunk"]), r["max_kv_size"] or 0, r["policy"] != "full", r["policy"] != "rotating")):
         share = "-" if r["recovered"] is None else f"{100 * r['recovered']:.0f} %"
+        if r["recovered"] is None and r["policy"] != "full":
+            # no window of this M in the run: the share against the run's one window (of the same bytes)
+            probe = lambda q: (q["doc_set"], q["span"], q["filler"], q["chunk"], q.get("trials"))
+            windows = [q for q in rows if q["policy"] == "rotating" and probe(q) == probe(r)]
+            full = next((q for q in rows if q["policy"] == "full" and probe(q) == probe(r)), None)
+            if len(windows) == 1 and full and windows[0]["nll"] != full["nll"]:
+                w = windows[0]
+                share = f"{100 * (w['nll'] - r['nll']) / (w['nll'] - full['nll']):.0f} % (vs window M = {w['max_kv_size']})"
         fed = f"chunks of {r['chunk']}" if r["chunk"] else "token by token"
         out.append(f"| {r['doc_set']} | {r['span']} | {r['filler']} | {fed} | {label(r)} | {r['max_kv_size'] or '-'} | {r['nll']:.3f} | {share} | {r['kv_bytes_per_seq'] / 2**20:.2f} |")
     return "\n".join(out)
@@ -131,30 +139,42 @@ def summary(sets=(0, 1, 2)):
 
 
 def plot(path, sets=(0, 1, 2)):
-    """ΔPPL vs full against M, one panel per set, one line per policy (the per-set tables as a picture)."""
+    """ΔPPL vs full per set: against M (top; same-M policies), and against the KV bytes held (bottom;
+    the equal-bytes runs too, named by storage)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), sharey=True)
-    for ax, s in zip(axes, sets):
+    fig, axes = plt.subplots(2, len(sets), figsize=(4.4 * len(sets), 7.2), sharey="row")
+    for col, s in enumerate(sets):
         ppl = load(f"ppl_set{s}.json", "perplexity")
         full = next((r["ppl"] for r in ppl.values() if r["policy"] == "full"), None)
-        lines = {}
-        for r in ppl.values():
-            if r["max_kv_size"] and full:
-                opts = ",".join(f"{a}={b}" for a, b in sorted(r["options"].items()) if a != "max_kv_size")
-                lines.setdefault(r["policy"] + (f"({opts})" if opts else ""), []).append((r["max_kv_size"], 100 * (r["ppl"] - full) / full))
-        for name, pts in sorted(lines.items()):
-            xs, ys = zip(*sorted(pts))
-            ax.plot(xs, ys, marker="o", label=name.replace("rotating", "window"))
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([128, 256, 512], ["128", "256", "512"])
-        ax.set_title(f"set {s} ({'tuning' if s == 0 else 'held out'})")
-        ax.set_xlabel("M (entries per head and layer)")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("ΔPPL vs full cache (%)")
-    axes[-1].legend(fontsize=7)
+        if full is None:
+            continue
+        by_bytes = dict(ppl)
+        by_bytes.update(load(f"ppl_bytes*_set{s}.json", "perplexity"))
+        for row, (rows, x_of) in enumerate([(ppl, lambda r: r["max_kv_size"]), (by_bytes, lambda r: r["kv_bytes_per_seq"] / 2**20)]):
+            lines = {}
+            for r in rows.values():
+                if r["max_kv_size"]:
+                    name = label(r) if row else label(r).replace("window, fp32 (rotating)", "window")
+                    lines.setdefault(name, []).append((x_of(r), 100 * (r["ppl"] - full) / full))
+            ax = axes[row, col]
+            for name, pts in sorted(lines.items()):
+                xs, ys = zip(*sorted(pts))
+                ax.plot(xs, ys, marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_xticks([128, 256, 512], ["128", "256", "512"])
+                ax.set_title(f"set {s} ({'tuning' if s == 0 else 'held out'})")
+                ax.set_xlabel("M (entries per head and layer)")
+            else:
+                ax.set_xticks([4, 8, 16], ["4", "8", "16"])
+                ax.set_xlabel("KV MB per sequence (seq 2048)")
+    for row in range(2):
+        axes[row, 0].set_ylabel("ΔPPL vs full cache (%)")
+        axes[row, -1].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -171,7 +191,7 @@ if __name__ == "__main__":
         print(table(s))
         print()
     for title, pattern in [("Recall sweep: span, filler and budget (chunked prompt)", "recall_sweep_set*.json"),
-                           ("Recall at equal bytes, filler 2000", "recall_bytes_set*.json"),
+                           ("Recall at equal bytes", "recall_bytes*_set*.json"),
                            ("Recall, token-by-token probe (no chunked prompt)", "recall_tokens_set*.json")]:
         print(f"### {title}\n")
         print(recall_sweep(pattern))
