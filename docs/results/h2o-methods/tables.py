@@ -22,9 +22,23 @@ def load(pattern, field):
     return rows
 
 
+def set_name(s):
+    return f"set {s} ({'tuning' if s == 0 else 'held out'})"
+
+
+def full_row(ppl):
+    """The full cache's row of a set's PPL rows (None if that set has no PPL run)."""
+    return next((r for r in ppl.values() if r["policy"] == "full"), None)
+
+
+def options_text(r):
+    """A row's options but the budget, "a=1,b=2" (empty when none)."""
+    return ",".join(f"{a}={b}" for a, b in sorted(r["options"].items()) if a != "max_kv_size")
+
+
 def per_document(row, ppl, M):
     """The ΔPPL ratio vs the window document by document, as min–max (how much one document moves it)."""
-    full = next((r for r in ppl.values() if r["policy"] == "full"), None)
+    full = full_row(ppl)
     window = next((r for r in ppl.values() if r["policy"] == "rotating" and r["max_kv_size"] == M), None)
     if row["policy"] in ("full", "rotating") or not full or not window or len(row["sample_ppl"]) < 2:
         return "-"
@@ -34,13 +48,18 @@ def per_document(row, ppl, M):
 
 def label(r):
     """A row's name; an h2o cache with no heavy hitters is a (packed) sliding window with 4 sinks."""
-    o = {a: b for a, b in r["options"].items() if a != "max_kv_size"}
+    o = r["options"]
     if r["policy"] == "h2o" and o.get("split") == "explicit" and o.get("heavy") == 0:
-        bits = o.get("kv_bits")
-        return f"window, {bits}-bit{' rotated' if o.get('rotate') else ''} (h2o heavy=0)"
+        return f"window, {o.get('kv_bits')}-bit{' rotated' if o.get('rotate') else ''} (h2o heavy=0)"
     if r["policy"] == "rotating":
         return "window, fp32 (rotating)"
-    return r["policy"] + ("(" + ",".join(f"{a}={b}" for a, b in sorted(o.items())) + ")" if o else "")
+    return policy_name(r)
+
+
+def policy_name(r, policy=None):
+    """`policy(options)`, as the eval and recall tables name a row."""
+    opts = options_text(r)
+    return (policy or r["policy"]) + (f"({opts})" if opts else "")
 
 
 def bytes_table(doc_set, window_M=256):
@@ -48,7 +67,7 @@ def bytes_table(doc_set, window_M=256):
     bytes), against that window and against the 8-bit window of the same bytes."""
     ppl = load(f"ppl_set{doc_set}.json", "perplexity")
     ppl.update(load(f"ppl_bytes*_set{doc_set}.json", "perplexity"))
-    full = next((r["ppl"] for r in ppl.values() if r["policy"] == "full"), None)
+    full = (full_row(ppl) or {}).get("ppl")
     window = next((r for r in ppl.values() if r["policy"] == "rotating" and r["options"] == {"max_kv_size": window_M}), None)
     if full is None or window is None:
         return "(not measured)"
@@ -71,12 +90,12 @@ def recall_sweep(pattern):
     rows = [r for f in sorted(HERE.glob(pattern)) for r in json.load(open(f))["recall"]]
     if not rows:
         return "(not measured)"
+    probe = lambda q: (q["doc_set"], q["span"], q["filler"], q["chunk"], q.get("trials"))  # noqa: E731  (one probe's rows)
     out = ["| set | span | filler | prompt fed | policy | M | NLL on the repeat | recall share | KV MB/seq |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["doc_set"], r["span"], r["filler"], str(r["chunk"]), r["max_kv_size"] or 0, r["policy"] != "full", r["policy"] != "rotating")):
         share = "-" if r["recovered"] is None else f"{100 * r['recovered']:.0f} %"
         if r["recovered"] is None and r["policy"] != "full":
             # no window of this M in the run: the share against the run's one window (of the same bytes)
-            probe = lambda q: (q["doc_set"], q["span"], q["filler"], q["chunk"], q.get("trials"))
             windows = [q for q in rows if q["policy"] == "rotating" and probe(q) == probe(r)]
             full = next((q for q in rows if q["policy"] == "full" and probe(q) == probe(r)), None)
             if len(windows) == 1 and full and windows[0]["nll"] != full["nll"]:
@@ -93,16 +112,13 @@ def table(doc_set):
     recall = {}
     for pattern in recall_files:
         recall.update({k: v for k, v in load(pattern, "recall").items() if v["span"] == 64 and v["filler"] == 1000 and k not in recall})
-    full = next((r["ppl"] for r in ppl.values() if r["policy"] == "full"), None)
+    full = (full_row(ppl) or {}).get("ppl")
     window = {r["max_kv_size"]: r["ppl"] for r in ppl.values() if r["policy"] == "rotating"}
     out = ["| policy | M | PPL | ΔPPL vs full | ΔPPL ratio vs window | per document | recall share (S=64, F=1000) | KV MB/seq (PPL, seq 2048) | KV MB/seq (recall) |",
            "|---|---|---|---|---|---|---|---|---|"]
     for k in sorted(set(ppl) | set(recall), key=lambda k: (k[1] or 0, k[0] != "full", k[0] != "rotating", k[2] != "{}", k[2])):
         p, q = ppl.get(k), recall.get(k)
-        r = p or q
-        opts = ",".join(f"{a}={b}" for a, b in sorted(json.loads(k[2]).items()))
-        name = r["policy"] + (f"({opts})" if opts else "")
-        cells = [name, str(k[1] or "-")]
+        cells = [policy_name(p or q), str(k[1] or "-")]
         if p:
             d = p["ppl"] - full if full else None
             dw = window.get(k[1], None)
@@ -123,14 +139,13 @@ def summary(sets=(0, 1, 2)):
     ratios = {}
     for s in sets:
         ppl = load(f"ppl_set{s}.json", "perplexity")
-        full = next((r["ppl"] for r in ppl.values() if r["policy"] == "full"), None)
+        full = (full_row(ppl) or {}).get("ppl")
         window = {r["max_kv_size"]: r["ppl"] for r in ppl.values() if r["policy"] == "rotating"}
         for k, r in ppl.items():
             if r["policy"] != "full" and full and window.get(k[1]):
-                opts = ",".join(f"{a}={b}" for a, b in sorted(json.loads(k[2]).items()))
-                name = ("window" if r["policy"] == "rotating" else r["policy"]) + (f"({opts})" if opts else "")
+                name = policy_name(r, "window" if r["policy"] == "rotating" else None)
                 ratios.setdefault((k[1], name), {})[s] = ((r["ppl"] - full) / (window[k[1]] - full), 100 * (r["ppl"] - full) / full)
-    head = " | ".join(f"set {s} ({'tuning' if s == 0 else 'held out'})" for s in sets)
+    head = " | ".join(set_name(s) for s in sets)
     out = [f"| M | policy | {head} |", "|---|---|" + "---|" * len(sets)]
     for (M, name), per_set in sorted(ratios.items(), key=lambda kv: (kv[0][0], kv[0][1] != "window", kv[0][1])):
         cells = [f"{per_set[s][0]:.2f}× ({per_set[s][1]:+.1f} %)" if s in per_set else "-" for s in sets]
@@ -148,7 +163,7 @@ def plot(path, sets=(0, 1, 2)):
     fig, axes = plt.subplots(2, len(sets), figsize=(4.4 * len(sets), 7.2), sharey="row")
     for col, s in enumerate(sets):
         ppl = load(f"ppl_set{s}.json", "perplexity")
-        full = next((r["ppl"] for r in ppl.values() if r["policy"] == "full"), None)
+        full = (full_row(ppl) or {}).get("ppl")
         if full is None:
             continue
         by_bytes = dict(ppl)
@@ -167,7 +182,7 @@ def plot(path, sets=(0, 1, 2)):
             ax.grid(alpha=0.3)
             if row == 0:
                 ax.set_xticks([128, 256, 512], ["128", "256", "512"])
-                ax.set_title(f"set {s} ({'tuning' if s == 0 else 'held out'})")
+                ax.set_title(set_name(s))
                 ax.set_xlabel("M (entries per head and layer)")
             else:
                 ax.set_xticks([4, 8, 16], ["4", "8", "16"])
@@ -187,7 +202,7 @@ if __name__ == "__main__":
     print(summary())
     print()
     for s in map(int, sys.argv[1:] or ["0", "1", "2"]):
-        print(f"### Set {s} ({'tuning' if s == 0 else 'held out'})\n")
+        print(f"### {set_name(s).capitalize()}\n")
         print(table(s))
         print()
     for title, pattern in [("Recall sweep: span, filler and budget (chunked prompt)", "recall_sweep_set*.json"),
@@ -198,6 +213,6 @@ if __name__ == "__main__":
         print()
     for s in map(int, sys.argv[1:] or ["0", "1", "2"]):
         for M in (128, 256):
-            print(f"### Equal bytes: the bytes of an fp32 window of {M}, set {s} ({'tuning' if s == 0 else 'held out'})\n")
+            print(f"### Equal bytes: the bytes of an fp32 window of {M}, {set_name(s)}\n")
             print(bytes_table(s, M))
             print()
