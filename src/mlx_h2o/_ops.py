@@ -77,9 +77,9 @@ def _dense(packed, bits, group_size):
 
 def _merge(sources):
     """One K (or V) from the segments' (arrays, bits, group_size) sources: (arrays, bits, group_size)."""
-    formats = {(bits, group_size, arrays[1].dtype if bits else None) for arrays, bits, group_size in sources}
     if len(sources) == 1:
         return sources[0]
+    formats = {(bits, group_size, arrays[1].dtype if bits else None) for arrays, bits, group_size in sources}
     if len(formats) == 1 and sources[0][1]:
         _, bits, group_size = sources[0]
         return [mx.concatenate([a[i] for a, _, _ in sources], axis=2) for i in range(3)], bits, group_size
