@@ -11,7 +11,9 @@ length and the same machine noise. Prints tok/s, p50 step latency and the speedu
 import argparse
 import time
 
-import mlx_h2o  # first: BLAS shim before mlx.core  # isort: skip
+import mlx_h2o  # isort: skip
+
+mlx_h2o.use_openblas()  # this benchmark opts in: OpenBLAS matmuls, before mlx.core loads
 
 import mlx.core as mx
 import numpy as np

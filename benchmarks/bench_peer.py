@@ -69,7 +69,9 @@ def worker_peer(model_path, tokens, gen, threads):
 
 
 def worker_ours(tokens, gen, cache_name, budget):
-    import mlx_h2o  # BLAS shim before mlx.core  # isort: skip
+    import mlx_h2o  # isort: skip
+
+    mlx_h2o.use_openblas()  # before mlx.core loads
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 

@@ -4,7 +4,7 @@ and everything else MLX evaluates (norms, RoPE, residual adds, cache writes, sam
     python benchmarks/bench_step_overhead.py [--context 512] [--steps 30] [--modes quantized quantized:stock float32:stock]
 
 A mode is a weight format of the embedded model (quantized, float32, ...), with ":stock" for MLX's own
-layers (mlx_h2o.use_cpu_layer_kernels(False): MLX's quantized_matmul, rms_norm and rope fallbacks)
+layers (mlx_h2o.load(cpu_kernels=False): MLX's quantized_matmul, rms_norm and rope fallbacks)
 instead of the extension's kernels. For each mode: prefill --context tokens into a full cache (fused attention on), then run
 greedy decode steps in four variants, alternating step by step on the same model and cache: as is;
 with every linear layer (incl. the lm_head) replaced by a zeros array of its output shape; with the
@@ -21,7 +21,9 @@ import re
 import tempfile
 import time
 
-import mlx_h2o  # BLAS shim before mlx.core  # isort: skip
+import mlx_h2o  # isort: skip
+
+mlx_h2o.use_openblas()  # this benchmark opts in: OpenBLAS matmuls, before mlx.core loads
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -88,8 +90,7 @@ def main():
     tokens = None
     for mode in args.modes:
         weights, _, layers = mode.partition(":")
-        mlx_h2o.use_cpu_layer_kernels(layers != "stock")
-        model, tokenizer = mlx_h2o.load(weights=weights)
+        model, tokenizer = mlx_h2o.load(weights=weights, cpu_kernels=layers != "stock")
         if tokens is None:
             tokens = token_samples(tokenizer, load_corpus(), 1, args.context, seed=1)[0][1]
         cache = mlx_h2o.make_cache(model, "full")
@@ -99,7 +100,6 @@ def main():
         runs[mode] = dict(model=model, cache=cache, y=y, times={v: ([], []) for v in VARIANTS}, kernels=layers != "stock")
     for step in range(args.steps + 2):
         for mode, r in runs.items():
-            mlx_h2o.use_cpu_layer_kernels(r["kernels"])
             for variant, (no_linears, no_attention) in VARIANTS.items():
                 with Replaced(no_linears, no_attention):
                     t0 = time.perf_counter()
@@ -119,7 +119,6 @@ def main():
         linears = total - sum(ms["no linears"])
         attention = total - sum(ms["no attention"])
         build, other = ms["neither"]
-        mlx_h2o.use_cpu_layer_kernels(r["kernels"])
         counts = primitive_counts(r["model"], r["cache"], r["y"])
         top = ", ".join(f"{k} {n}" for k, n in counts.most_common(8))
         rows.append([mode, f"{total:.1f}", f"{1e3 / total:.1f}", f"{linears:.1f}", f"{attention:.1f}", f"{build:.1f}",

@@ -11,7 +11,9 @@ import argparse
 import math
 import time
 
-import mlx_h2o  # first: BLAS shim before mlx.core  # isort: skip
+import mlx_h2o  # isort: skip
+
+mlx_h2o.use_openblas()  # this benchmark opts in: OpenBLAS matmuls, before mlx.core loads
 
 import mlx.core as mx
 from mlx.utils import tree_flatten

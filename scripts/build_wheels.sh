@@ -1,57 +1,34 @@
 #!/usr/bin/env bash
-# Build the custom wheels into dist/ (also how contributors rebuild from source):
-#   mlx_lm-<version>+h2o.<revision>-py3-none-any.whl: the pinned mlx-lm sdist (patches/mlx-lm/pin.env),
-#       hash-checked, with the series patches/mlx-lm/NNNN-*.patch applied in order;
-#   mlx_h2o-<version>-<tag>.whl: this package, with its C++ extension.
-# Then: pip install dist/*.whl
-# Usage: scripts/build_wheels.sh [--mlx-lm-only]     (PYTHON=... picks the interpreter)
+# The custom wheels, built offline into dist/ (how users get them and contributors rebuild them):
+#   mlx-<tag>+h2o.N      MLX at the pinned upstream commit (the mlx/ submodule) + patches/mlx: CPU
+#                        backend and Python bindings, linked with OpenBLAS     (cold ~10 min, ccache ~1 min)
+#   mlx_lm-<v>+h2o.N     the pinned mlx-lm release (PyPI sdist) + patches/mlx-lm            (~30 s)
+#   mlx_h2o-<v>          this package, its extension compiled against that MLX             (~3 min)
+# Then: python -m venv v && v/bin/pip install dist/*.whl
+# The build tools live in build/venv-build. Environment: DIST_DIR (default dist/), JOBS (default: cores).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-py=${PYTHON:-python3}
-# shellcheck source=../patches/mlx-lm/pin.env
-source "$root/patches/mlx-lm/pin.env"
-version="$MLX_LM_VERSION+h2o.$MLX_LM_SERIES_REVISION"
-src="$("$root/scripts/mlx_lm_sdist.sh")"   # downloads (once) and verifies the sha256
-work="$root/build/mlx-lm/patched"
-rm -rf "$work"
-cp -R --no-preserve=ownership "$src" "$work"
-rm -f "$work/.unpacked"
-git -C "$work" init --quiet   # its own repository: git apply resolves paths against it, not ours
-
-shopt -s nullglob
-patches=("$root"/patches/mlx-lm/[0-9][0-9][0-9][0-9]-*.patch)
-[ ${#patches[@]} -gt 0 ] || { echo "build_wheels.sh: no patches in patches/mlx-lm/" >&2; exit 1; }
-for p in "${patches[@]}"; do
-  if ! log="$(git -C "$work" apply --check --verbose "$p" 2>&1)"; then
-    echo "build_wheels.sh: $(basename "$p") does not apply to mlx-lm $MLX_LM_VERSION; the hunk that fails:" >&2
-    if grep -q '^error: while searching for:' <<<"$log"; then
-      sed -n '/^error: while searching for:/,$p' <<<"$log" >&2
-    else
-      echo "$log" >&2
-    fi
-    exit 1
-  fi
-  git -C "$work" apply "$p"
-  echo "applied $(basename "$p")"
-done
-
-mkdir -p "$root/dist"
-rm -f "$root"/dist/mlx_lm-*.whl
-# setuptools-scm writes mlx_lm/_version.py from this: mlx_lm.__version__ names the series.
-SETUPTOOLS_SCM_PRETEND_VERSION="$version" "$py" -m pip wheel --quiet --no-deps -w "$root/dist" "$work"
-wheel="$root/dist/mlx_lm-$version-py3-none-any.whl"
-[ -f "$wheel" ] || { echo "build_wheels.sh: expected $wheel" >&2; ls "$root/dist" >&2; exit 1; }
-"$py" - "$wheel" "$version" <<'PYEOF'
-import sys, zipfile
-wheel, version = sys.argv[1:]
-text = zipfile.ZipFile(wheel).read("mlx_lm/_version.py").decode()
-if repr(version) not in text:
-    sys.exit(f"build_wheels.sh: {wheel} says {text.strip()!r}, expected __version__ = {version!r}")
-PYEOF
-echo "built $wheel"
-
-if [ "${1:-}" != "--mlx-lm-only" ]; then
-  rm -f "$root"/dist/mlx_h2o-*.whl
-  "$py" -m pip wheel --quiet --no-deps -w "$root/dist" "$root"
-  echo "built $(ls "$root"/dist/mlx_h2o-*.whl)"
-fi
+cd "$root"
+dist="${DIST_DIR:-$root/dist}"
+export DIST_DIR="$dist"
+# shellcheck source=../patches/mlx/pin.env
+source patches/mlx/pin.env
+venv=build/venv-build
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+py="$venv/bin/python"
+echo "build_wheels.sh: build tools in $venv"
+"$py" -m pip install --quiet --disable-pip-version-check 'setuptools>=80' 'cmake>=3.27' typing_extensions wheel \
+  packaging "$NANOBIND_REQUIREMENT" 'scikit-build-core>=0.10' 2>&1 | grep -v '^WARNING: Location' || true
+"$py" scripts/series.py build mlx
+"$py" scripts/series.py build mlx-lm
+# mlx-h2o against the fork: no build isolation, or pip would build it against PyPI's MLX instead.
+fork=("$dist"/mlx-*+"$MLX_LOCAL_VERSION"-*.whl)
+"$py" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "${fork[0]}"
+"$py" -m pip install --quiet --disable-pip-version-check numpy 2>&1 | grep -v '^WARNING: Location' || true
+rm -f "$dist"/mlx_h2o-*.whl
+echo "build_wheels.sh: building mlx_h2o against $(basename "${fork[0]}") (~3 min, the C++ extension)"
+"$py" -m pip wheel --no-build-isolation --no-deps -v -w "$dist" . 2>&1 \
+  | grep --line-buffered -E '^(Building wheel|Created wheel|ERROR|error)|\[ *[0-9]+%\]|^ *\[[0-9]+/[0-9]+\]' || true
+ls "$dist"/mlx_h2o-*.whl >/dev/null || { echo "build_wheels.sh: the mlx_h2o wheel was not built" >&2; exit 1; }
+echo "build_wheels.sh: built"
+ls -1 "$dist"/mlx-*+"$MLX_LOCAL_VERSION"-*.whl "$dist"/mlx_lm-*.whl "$dist"/mlx_h2o-*.whl

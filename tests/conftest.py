@@ -1,5 +1,10 @@
-# Import mlx_h2o before anything imports mlx.core, so its BLAS shim can take effect (see _blas.py).
-import mlx_h2o  # noqa: F401  isort: skip
+# The suite opts in to OpenBLAS matmuls (mlx_h2o._blas) before anything imports mlx.core: the
+# model tests prefill through MLX's GEMM, several times slower on the mlx-cpu wheel's reference BLAS.
+from mlx_h2o._blas import use_openblas  # isort: skip
+
+use_openblas()
+
+import mlx_h2o  # noqa: E402
 
 import os
 

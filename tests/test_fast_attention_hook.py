@@ -59,28 +59,32 @@ def test_hook_is_removable_and_off_by_default():
 
 
 def test_mlx_lm_model_tests_pass_with_the_fused_attention(tmp_path):
-    """mlx-lm's own tests/test_models.py (from its pinned sdist, scripts/mlx_lm_sdist.sh), once with
+    """mlx-lm's own tests/test_models.py (from its pinned sdist, scripts/series.py), once with
     mlx-lm's attention and once with the fused kernel as every model's attention (gradients
     included): every test that passes with mlx-lm's passes with ours. Both runs draw the same
     random weights (scripts/mlx_lm_suite.py seeds them). Both use MLX's own BLAS: with NumPy's
-    OpenBLAS (mlx_h2o's default on Linux) a GEMM's rounding depends on its row count, which fails
+    OpenBLAS (mlx_h2o.use_openblas(), which this suite opts in to) a GEMM's rounding depends on its row count, which fails
     test_gemma3n_kv_shared_layers_ignore_chunking's bitwise whole-vs-chunked comparison whatever the
     attention; the fused kernel's rows do not depend on the call (chunked == whole, bit for bit)."""
     import json
     import os
-    import shutil
     import subprocess
     import sys
-    from pathlib import Path
+    import tarfile
 
-    root = Path(__file__).parent.parent
-    sdist = subprocess.run([str(root / "scripts" / "mlx_lm_sdist.sh")], capture_output=True, text=True)
-    if sdist.returncode != 0:
+    from series_tool import ROOT as root
+    from series_tool import series
+
+    try:
+        archive = series.MLXLMSeries().sdist()
+    except (series.SeriesError, subprocess.CalledProcessError) as e:
         if os.environ.get("CI"):
-            raise AssertionError(sdist.stderr)
-        pytest.skip(f"mlx-lm's sdist is not reachable: {sdist.stderr.strip()[-300:]}")
-    tests = tmp_path / "tests"  # a copy, away from any mlx_lm/ source tree
-    shutil.copytree(Path(sdist.stdout.strip()) / "tests", tests)
+            raise
+        pytest.skip(f"mlx-lm's sdist is not reachable: {e}")
+    with tarfile.open(archive) as tar:  # its tests/, away from any mlx_lm/ source tree
+        members = [m for m in tar.getmembers() if m.name.split("/")[1:2] == ["tests"]]
+        tar.extractall(tmp_path, members=members)
+    tests = next(tmp_path.glob("*/tests"))
     outcomes = {}
     for run in ("stock", "fused"):
         out = tmp_path / f"{run}.json"

@@ -1,4 +1,4 @@
-"""mlx-lm's own commands with mlx-h2o's policies (the patched wheel, in scripts/test_patched.sh's venv):
+"""mlx-lm's own commands with mlx-h2o's policies (the patched wheel, in build/venv-fork, ci/run.sh):
 `mlx_lm.generate`, `mlx_lm.cache_prompt` and `mlx_lm.server` on the converted embedded model, offline.
 
 The server test runs `mlx_lm.server --kv-policy h2o` on 127.0.0.1 with a bounded number of requests,
@@ -20,7 +20,7 @@ from mlx_h2o.convert import convert
 pytestmark = [
     pytest.mark.patched_mlx_lm,
     pytest.mark.skipif(importlib.util.find_spec("mlx_lm.models.cache_policies") is None,
-                       reason="needs the patched mlx-lm wheel (scripts/test_patched.sh)"),
+                       reason="needs the patched mlx-lm wheel (ci/run.sh runs it in build/venv-fork)"),
 ]
 
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

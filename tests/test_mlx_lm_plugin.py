@@ -1,7 +1,7 @@
 """mlx-h2o's policies as mlx-lm cache-policy plugins (src/mlx_h2o/mlx_lm_plugin.py).
 
 With stock mlx-lm (the global environment) the module still imports and its policies build caches
-(the hook path). With the patched wheel (scripts/test_patched.sh's venv, marker patched_mlx_lm)
+(the hook path). With the patched wheel (build/venv-fork, ci/run.sh, marker patched_mlx_lm)
 mlx-lm finds them through the entry points, dispatches attention to `attend` without the hook, and
 saves/loads their caches."""
 
@@ -16,7 +16,7 @@ import mlx_h2o
 from mlx_h2o import hook, mlx_lm_plugin
 
 PATCHED = importlib.util.find_spec("mlx_lm.models.cache_policies") is not None
-patched_only = pytest.mark.skipif(not PATCHED, reason="needs the patched mlx-lm wheel (scripts/test_patched.sh)")
+patched_only = pytest.mark.skipif(not PATCHED, reason="needs the patched mlx-lm wheel (ci/run.sh runs it in build/venv-fork)")
 PROTOCOL = ("name", "summary", "options", "parse_options", "make", "cache_classes")
 
 

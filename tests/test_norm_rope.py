@@ -103,9 +103,11 @@ def test_bad_input():
 
 
 def test_model_layers_use_the_kernels_and_agree_with_stock(monkeypatch):
-    """A tiny llama decodes with nn.RMSNorm / nn.RoPE through the kernels (no model edits), and its
-    logits equal the stock layers' within float32 rounding; the switch turns them off."""
+    """A tiny llama switched to the kernels (use_cpu_layer_kernels(model), no model edits) decodes with
+    nn.RMSNorm / nn.RoPE through them, and its logits equal the stock layers' within float32
+    rounding; switching back restores MLX's classes, and another model is never touched."""
     model = tiny_model("llama")
+    bystander = tiny_model("llama")
     tokens = mx.array([[3, 17, 99, 5, 42, 7]])
 
     def logits():
@@ -118,16 +120,16 @@ def test_model_layers_use_the_kernels_and_agree_with_stock(monkeypatch):
     for name in ("rms_norm", "rope"):
         real = getattr(mlx_h2o._ext, name)
         monkeypatch.setattr(mlx_h2o._ext, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
-    assert cpu_layers.cpu_layer_kernels_enabled()
-    ours = logits()
+    stock = logits()
+    assert not calls
     layers = len(model.layers)
+    assert mlx_h2o.use_cpu_layer_kernels(model) == 3 * layers + 1  # 2 norms + rope per layer, final norm
+    assert cpu_layers.cpu_layer_kernels_used(bystander) == 0
+    ours = logits()
     assert calls.count("rope") == 3 * 2 * layers and calls.count("rms_norm") == 3 * (2 * layers + 1)
     calls.clear()
-    mlx_h2o.use_cpu_layer_kernels(False)
-    try:
-        assert nn.RMSNorm.__call__ is cpu_layers._stock["RMSNorm.__call__"]
-        stock = logits()
-        assert not calls
-    finally:
-        mlx_h2o.use_cpu_layer_kernels(True)
+    assert mlx_h2o.use_cpu_layer_kernels(model, False) == 3 * layers + 1
+    assert type(model.model.norm) is nn.RMSNorm
+    np.testing.assert_array_equal(logits(), stock)
+    assert not calls
     np.testing.assert_allclose(ours, stock, rtol=1e-4, atol=1e-4)

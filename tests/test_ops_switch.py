@@ -2,7 +2,7 @@
 
 Both implementations are checked against the composed definition on the same random calls (dense,
 packed, several segments in one or mixed formats, masks, sinks, every score mode) where this MLX
-has the ops, i.e. was built from patches/mlx (scripts/build_mlx.sh); the whole suite also runs with
+has the ops, i.e. was built from patches/mlx (scripts/build_wheels.sh); the whole suite also runs with
 MLX_H2O_OPS=mlx there (docs/mlx-fork.md)."""
 
 import numpy as np
@@ -14,7 +14,7 @@ from mlx_h2o import PackedKV, _ops, attention_with_scores
 
 needs_fork = pytest.mark.skipif(
     not _ops.mlx_has_ops(),
-    reason="needs an MLX built with patches/mlx (scripts/build_mlx.sh SRC_DIR; docs/mlx-fork.md)",
+    reason="needs an MLX built with patches/mlx (scripts/build_wheels.sh; docs/mlx-fork.md)",
 )
 
 
@@ -43,7 +43,7 @@ def test_environment_picks_and_bad_values_are_named(fresh_switch):
 
 @pytest.mark.skipif(_ops.mlx_has_ops(), reason="this MLX has the ops (built from patches/mlx)")
 def test_mlx_without_the_ops_says_how_to_get_them(fresh_switch):
-    with pytest.raises(ValueError, match="scripts/build_mlx.sh"):
+    with pytest.raises(ValueError, match="scripts/build_wheels.sh"):
         _ops.set_implementation("mlx")
     assert _ops.implementation() == "ext"  # a refused switch changes nothing
 

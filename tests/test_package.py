@@ -1,5 +1,6 @@
 """Build and runtime plumbing: the extension, its MLX version pin, the BLAS shim, the CLI."""
 
+import os
 import subprocess
 import sys
 
@@ -36,9 +37,42 @@ def test_blas_shim_active_and_exact():
 
 
 def test_blas_backend_reports_late_import():
-    code = "import mlx.core, mlx_h2o; print(mlx_h2o.blas_backend())"
+    code = "import mlx.core, mlx_h2o; print(mlx_h2o.use_openblas())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "imported before mlx_h2o" in out or not sys.platform.startswith("linux")
+    assert "imported before use_openblas" in out or not sys.platform.startswith("linux")
+
+
+# Importing mlx_h2o and every module of it, first or after MLX, must leave MLX and mlx-lm as they
+# were: the same layer methods, mlx-lm's attention function, and no BLAS shim in the process.
+_IMPORT_CHANGES_NOTHING = """
+import importlib, pkgutil, sys
+{first}
+import mlx.core as mx, mlx.nn as nn
+from mlx_lm.models import base
+methods = [(c, m) for c in (nn.Linear, nn.QuantizedLinear, nn.QuantizedEmbedding, nn.Embedding, nn.RMSNorm,
+                            nn.LayerNorm, nn.RoPE) for m in ("__call__", "as_linear") if hasattr(c, m)]
+before = {{k: getattr(*k) for k in methods}}
+sdpa = (base.scaled_dot_product_attention, base.scaled_dot_product_attention.__code__)
+import mlx_h2o
+for name in sorted(mlx_h2o.__all__):
+    getattr(mlx_h2o, name)
+for mod in pkgutil.walk_packages(mlx_h2o.__path__, "mlx_h2o."):
+    if mod.name != "mlx_h2o.__main__" and not mod.name.split(".")[-1].startswith("lib"):  # lib*: the shim, no module
+        importlib.import_module(mod.name)
+changed = [f"{{c.__name__}}.{{m}}" for (c, m), f in before.items() if getattr(c, m) is not f]
+assert not changed, f"rebound at import: {{changed}}"
+assert (base.scaled_dot_product_attention, base.scaled_dot_product_attention.__code__) == sdpa
+assert "libmlx_h2o_blas" not in open("/proc/self/maps").read(), "BLAS shim loaded at import"
+print("unchanged", mlx_h2o.blas_backend())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("first", ["", "import mlx_h2o"])
+def test_import_changes_nothing_in_mlx(first):
+    env = {k: v for k, v in os.environ.items() if k != "MLX_H2O_BLAS"}
+    r = subprocess.run([sys.executable, "-c", _IMPORT_CHANGES_NOTHING.format(first=first)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "unchanged MLX's own BLAS" in r.stdout, r.stderr[-3000:]
 
 
 def test_uninitialized_op():

@@ -83,6 +83,8 @@ def _prefill(model, cache, tokens):
 # so the attention hook is off until a loaded cache turns it on.
 FRESH_PROCESS = """
 import json, sys
+from mlx_h2o._blas import use_openblas
+use_openblas()  # as conftest.py does for the parent: the same GEMMs on both sides
 import mlx_h2o
 import mlx.core as mx, numpy as np
 from mlx_h2o import hook

@@ -143,27 +143,26 @@ def test_bad_input():
 
 
 def test_quantized_linear_and_tied_embedding_use_the_kernel(monkeypatch):
-    """A quantized tiny llama (tied embeddings) decodes through the kernel with no model edits; its
-    logits match MLX's own quantized path within the int8 rounding; the switch turns it off."""
+    """A quantized tiny llama (tied embeddings) switched to the kernel decodes through it with no model
+    edits; its logits match MLX's own quantized path within the int8 rounding; switching back
+    restores MLX's classes."""
     model = tiny_model("llama", tie_word_embeddings=True)
     nn.quantize(model, group_size=32, bits=4)
     calls = []
     real = _ext.quantized_matmul
     monkeypatch.setattr(_ext, "quantized_matmul", lambda *a: calls.append(a[-3]) or real(*a))
     x = mx.array([[3, 17, 99]])
-    assert cpu_layers.cpu_layer_kernels_enabled()
+    stock = model(x[:, :1])
+    assert not calls
+    mlx_h2o.use_cpu_layer_kernels(model)
     ours = model(x[:, :1])
     n_linear = sum(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     assert len(calls) == n_linear + 1  # + the tied lm_head (QuantizedEmbedding.as_linear)
-    try:
-        mlx_h2o.use_cpu_layer_kernels(False)
-        calls.clear()
-        stock = model(x[:, :1])
-        assert not calls
-    finally:
-        mlx_h2o.use_cpu_layer_kernels(True)
+    mlx_h2o.use_cpu_layer_kernels(model, False)
+    calls.clear()
+    np.testing.assert_array_equal(np.array(model(x[:, :1])), np.array(stock))
+    assert not calls
     np.testing.assert_allclose(np.array(ours), np.array(stock), atol=0.05 * np.abs(np.array(stock)).max())
-    assert cpu_layers.cpu_layer_kernels_enabled()
 
 
 def test_lora_style_gradient_with_the_kernel_on():
@@ -178,12 +177,9 @@ def test_lora_style_gradient_with_the_kernel_on():
     def loss(m):
         return m(tokens[:, :1])[0, -1, tokens[0, 1]]
 
+    stock = nn.value_and_grad(model, loss)(model)[1]
+    mlx_h2o.use_cpu_layer_kernels(model)
     ours = nn.value_and_grad(model, loss)(model)[1]
-    mlx_h2o.use_cpu_layer_kernels(False)
-    try:
-        stock = nn.value_and_grad(model, loss)(model)[1]
-    finally:
-        mlx_h2o.use_cpu_layer_kernels(True)
     for (_, a), (_, b) in zip(tree_flatten(ours), tree_flatten(stock)):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=0.1, atol=0.05 * np.abs(np.array(b)).max())
 

@@ -1,46 +1,54 @@
 """mlx-h2o: bounded-memory LLM inference for MLX / mlx-lm.
 
-Import order matters: mlx.core must be loaded before the C++ extension that links against libmlx.
+Importing the package changes nothing in MLX or mlx-lm and loads nothing heavy: the names below
+are imported on first use. Speed-ups that touch MLX are explicit calls on what you hand them:
+`load()` switches the returned model's layers to the CPU kernels (`use_cpu_layer_kernels(model)`
+for other models), `use_openblas()` routes MLX's CPU matmuls to OpenBLAS for the process (call it
+before anything imports mlx.core, or set MLX_H2O_BLAS=openblas).
 """
 
-from ._blas import blas_backend, route_matmul_to_openblas
-
-route_matmul_to_openblas()  # must run before libmlx is loaded (see _blas.py)
-
-import mlx.core as mx  # noqa: E402,F401  (loads libmlx before the extension)
-
-from . import _ext
-from ._version_check import check_extension
-
-check_extension(_ext.built_with_mlx)
-
-from .attention import (  # noqa: E402
-    PackedKV,
-    attention_with_scores,
-    quantized_scaled_dot_product_attention_with_scores,
-    scaled_dot_product_attention_with_scores,
-)
-from .caches import POLICIES, make_cache  # noqa: E402
-from .hook import use_fast_cpu_attention  # noqa: E402
-from .loading import load  # noqa: E402
-from .cpu_layers import quantized_matmul, rms_norm, rope, use_cpu_layer_kernels  # noqa: E402
-from .cpu_layers import _enable_by_default as _enable_cpu_layer_kernels  # noqa: E402
-
-_enable_cpu_layer_kernels()  # nn.QuantizedLinear / RMSNorm / RoPE on CPU streams -> our kernels (opt out: cpu_layers.py)
+import importlib
+import os
 
 __version__ = "0.2.0"
-__all__ = [
-    "PackedKV",
-    "attention_with_scores",
-    "blas_backend",
-    "load",
-    "make_cache",
-    "POLICIES",
-    "quantized_matmul",
-    "quantized_scaled_dot_product_attention_with_scores",
-    "rms_norm",
-    "rope",
-    "scaled_dot_product_attention_with_scores",
-    "use_cpu_layer_kernels",
-    "use_fast_cpu_attention",
-]
+
+# public name -> the module that defines it (imported on first access: PEP 562)
+_EXPORTS = {
+    "PackedKV": ".attention",
+    "attention_with_scores": ".attention",
+    "quantized_scaled_dot_product_attention_with_scores": ".attention",
+    "scaled_dot_product_attention_with_scores": ".attention",
+    "POLICIES": ".caches",
+    "make_cache": ".caches",
+    "use_fast_cpu_attention": ".hook",
+    "load": ".loading",
+    "quantized_matmul": ".cpu_layers",
+    "rms_norm": ".cpu_layers",
+    "rope": ".cpu_layers",
+    "use_cpu_layer_kernels": ".cpu_layers",
+    "blas_backend": "._blas",
+    "use_openblas": "._blas",
+    "_ext": "._native",
+}
+__all__ = sorted(name for name in _EXPORTS if not name.startswith("_"))
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mlx_h2o' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+# The one opt-in read from the environment: the shim must load before libmlx, so it cannot wait
+# for a call when the user's own code imports mlx.core next.
+if os.environ.get("MLX_H2O_BLAS") == "openblas":
+    from ._blas import use_openblas
+
+    use_openblas()

@@ -2,10 +2,10 @@
 
 The mlx-cpu wheel links a reference BLAS; NumPy's wheels bundle OpenBLAS. The shim library built
 with this package (csrc/blas/openblas_shim.cpp) defines the CBLAS GEMMs libmlx imports and forwards
-them to NumPy's OpenBLAS. It only takes effect when loaded before libmlx, i.e. when `mlx_h2o` is
-imported before `mlx.core` (the CLI, benchmarks and tests do). This module must not import MLX.
-
-Set MLX_H2O_BLAS=reference to keep MLX's own BLAS.
+them to NumPy's OpenBLAS. It changes MLX for the whole process, so it is opt-in: `use_openblas()`
+before anything imports mlx.core (importing mlx_h2o does not), or MLX_H2O_BLAS=openblas in the
+environment. The `mlx-h2o` command opts in and says so. The fork's MLX wheel (scripts/series.py
+build mlx) links OpenBLAS itself and needs no shim. This module must not import MLX.
 """
 
 import ctypes
@@ -26,8 +26,9 @@ def _numpy_openblas():
     return found[0] if found else None
 
 
-def route_matmul_to_openblas() -> str:
-    """Install the shim if possible; returns (and remembers) a description of the BLAS in use."""
+def use_openblas() -> str:
+    """Route MLX's CPU GEMMs to NumPy's OpenBLAS for this process, where possible: only before
+    mlx.core is imported, on Linux. Returns (and remembers) a description of the BLAS in use."""
     if _state["backend"] is not None:
         return _state["backend"]
     backend = _install()
@@ -38,14 +39,14 @@ def route_matmul_to_openblas() -> str:
 def _install() -> str:
     if not sys.platform.startswith("linux"):
         return "platform default"
-    if os.environ.get("MLX_H2O_BLAS", "openblas") == "reference":
-        return "mlx reference BLAS (MLX_H2O_BLAS=reference)"
+    if os.environ.get("MLX_H2O_BLAS") == "reference":
+        return "MLX's own BLAS (MLX_H2O_BLAS=reference)"
     if "mlx.core" in sys.modules:
-        return "mlx reference BLAS (mlx.core was imported before mlx_h2o; import mlx_h2o first for OpenBLAS)"
+        return "MLX's own BLAS (mlx.core was imported before use_openblas())"
     openblas = _numpy_openblas()
     shim = os.path.join(os.path.dirname(__file__), "libmlx_h2o_blas.so")
     if openblas is None or not os.path.exists(shim):
-        return "mlx reference BLAS (NumPy's bundled OpenBLAS or the shim not found)"
+        return "MLX's own BLAS (NumPy's bundled OpenBLAS or the shim not found)"
     try:
         lib = ctypes.CDLL(openblas)
         for sym in ("scipy_cblas_sgemm64_", "scipy_cblas_dgemm64_", "scipy_cblas_cgemm64_"):
@@ -53,13 +54,13 @@ def _install() -> str:
         # Initialise before exposing the shim's symbols globally, so libmlx never sees it half-ready.
         local = ctypes.CDLL(shim, mode=ctypes.RTLD_LOCAL)
         if local.mlx_h2o_blas_init(openblas.encode()) != 0:
-            return "mlx reference BLAS (shim initialisation failed)"
+            return "MLX's own BLAS (shim initialisation failed)"
         ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)  # same handle, now promoted to the global scope
     except (OSError, AttributeError) as e:
-        return f"mlx reference BLAS (shim unavailable: {e})"
+        return f"MLX's own BLAS (shim unavailable: {e})"
     return f"OpenBLAS from NumPy ({os.path.basename(openblas)})"
 
 
 def blas_backend() -> str:
     """Which BLAS MLX's CPU matmuls use in this process."""
-    return _state["backend"] or "mlx reference BLAS (mlx_h2o._blas not initialised)"
+    return _state["backend"] or "MLX's own BLAS (use_openblas() not called)"

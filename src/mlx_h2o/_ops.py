@@ -1,6 +1,6 @@
 """Which implementation runs mlx-h2o's attention ops: the C++ extension (`_ext`) or the same ops inside
 MLX (`mx.fast.scaled_dot_product_attention_with_scores` and `mx.fast.quantized_...`), as an MLX built
-from patches/mlx by scripts/build_mlx.sh provides them (docs/mlx-fork.md).
+from patches/mlx by scripts/build_wheels.sh provides them (docs/mlx-fork.md).
 
 The switch: the environment variable MLX_H2O_OPS, read at the first op call,
   ext   the extension (default);
@@ -20,7 +20,7 @@ import os
 
 import mlx.core as mx
 
-from . import _ext
+from ._native import _ext
 
 IMPLEMENTATIONS = ("ext", "mlx", "auto")
 FAST_OPS = ("scaled_dot_product_attention_with_scores", "quantized_scaled_dot_product_attention_with_scores")
@@ -40,7 +40,7 @@ def _resolve(choice) -> str:
         return "mlx" if mlx_has_ops() else "ext"
     if choice == "mlx" and not mlx_has_ops():
         raise ValueError(
-            f"MLX_H2O_OPS='mlx' needs an MLX built with mlx-h2o's patches (scripts/build_mlx.sh, "
+            f"MLX_H2O_OPS='mlx' needs an MLX built with mlx-h2o's patches (scripts/build_wheels.sh, "
             f"docs/mlx-fork.md); mx.fast of MLX {mx.__version__} has no {FAST_OPS[0]}"
         )
     return choice

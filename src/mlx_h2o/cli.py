@@ -10,10 +10,9 @@ import argparse
 import os
 import sys
 
-# Importing mlx_h2o first lets it route MLX's CPU matmuls to OpenBLAS (see _blas.py).
-import mlx_h2o  # noqa: I001
+import mlx_h2o
 
-import mlx.core as mx  # noqa: E402
+from ._blas import use_openblas
 
 
 def _add_model_args(p):
@@ -109,11 +108,22 @@ def _system_prompt_tokens(tokenizer, system) -> int:
 
 
 def _attention_desc() -> str:
+    import mlx.core as mx
+
     from .hook import fast_cpu_attention_enabled
 
     if fast_cpu_attention_enabled() and mx.default_device() == mx.cpu:
         return f"fused CPU kernel ({mlx_h2o._ext.kernel_isa()}, {mlx_h2o._ext.kernel_threads()} threads)"
     return "mlx-lm stock"
+
+
+def _layers_desc(model) -> str:
+    from .cpu_layers import cpu_layer_kernels_used, mlx_has_layer_kernels
+
+    n = cpu_layer_kernels_used(model)
+    if n:
+        return f"{n} modules on mlx-h2o's CPU kernels"
+    return "MLX's own (the fork's CPU kernels)" if mlx_has_layer_kernels() else "MLX's own"
 
 
 def _load(args):
@@ -161,7 +171,7 @@ def cmd_generate(args) -> int:
     print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec", file=sys.stderr)
     print(f"Peak memory: {response.peak_memory:.3f} GB", file=sys.stderr)
     print(f"KV cache ({args.cache}): {tokens} tokens per layer, {kv / 2**20:.2f} MiB in {len(cache)} layers", file=sys.stderr)
-    print(f"BLAS: {mlx_h2o.blas_backend()}; attention: {_attention_desc()}", file=sys.stderr)
+    print(f"BLAS: {mlx_h2o.blas_backend()}; attention: {_attention_desc()}; layers: {_layers_desc(model)}", file=sys.stderr)
     return 0
 
 
@@ -385,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    # The command opts its own process in to OpenBLAS matmuls before anything loads MLX (importing the
+    # package does not); each model command prints the BLAS in use. MLX_H2O_BLAS=reference opts out.
+    use_openblas()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

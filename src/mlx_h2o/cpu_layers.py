@@ -12,18 +12,19 @@ packed 4-bit / 8-bit weights in integer arithmetic (AVX2 maddubs/madd where the 
 over output columns. Up to 8 rows of x (decode, small batches) take the kernel; longer inputs
 (prefill) dequantize and multiply with a BLAS GEMM.
 
-On by default once `mlx_h2o` is imported, for CPU streams only (and for quantized layers: affine mode,
-bits 4/8, groups 32/64/128); anything else keeps MLX's own code. Opt out with
-`use_cpu_layer_kernels(False)` or the environment variable MLX_H2O_CPU_LAYERS=0.
+Switched in per model, never globally: `use_cpu_layer_kernels(model)` changes the class of that
+model's stock layers to a subclass whose call runs the kernel (as `nn.quantize` swaps modules; weights
+are shared, nothing is copied), and `mlx_h2o.load()` does so for the models it returns. Other models in
+the process keep MLX's own layers. Each call takes the kernel on CPU streams only (and for quantized
+layers: affine mode, bits 4/8, groups 32/64/128); anything else falls back to MLX's own method.
 """
 
-import os
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import _ext
+from ._native import _ext
 
 KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
@@ -78,60 +79,85 @@ def rope(x: mx.array, dims: int, *, traditional: bool, base: float, scale: float
     return _ext.rope(x, int(dims), bool(traditional), float(base), float(scale), offset, stream)
 
 
+# The fork's MLX (patches/mlx, `scripts/series.py build mlx`) runs these layers with the same kernels
+# from this release of its series on.
+FORK_LAYER_KERNELS_SINCE = 5
+
+
+def mlx_has_layer_kernels() -> bool:
+    """Whether this MLX runs the integer-dot quantized matmul, rms_norm and rope kernels itself."""
+    label = mx.__version__.partition("+")[2]
+    name, _, rev = label.partition(".")
+    return name == "h2o" and rev.isdigit() and int(rev) >= FORK_LAYER_KERNELS_SINCE
+
+
 def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def _rms_norm_call(self, x):
-    if not _on_cpu():
-        return _stock["RMSNorm.__call__"](self, x)
-    return _ext.rms_norm(x, self["weight"], self.eps, None)
+class KernelRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose CPU call is one kernel (MLX's CPU fallback composes 11 primitives)."""
+
+    def __call__(self, x):
+        if not _on_cpu():
+            return super().__call__(x)
+        return _ext.rms_norm(x, self["weight"], self.eps, None)
 
 
-def _rope_call(self, x, offset: int = 0):
-    if not _on_cpu() or not isinstance(offset, int) or x.ndim not in (3, 4):
-        return _stock["RoPE.__call__"](self, x, offset)
-    return _ext.rope(x, self.dims, self.traditional, self.base, self.scale, offset, None)
+class KernelRoPE(nn.RoPE):
+    """nn.RoPE whose CPU call with an integer offset is one kernel (MLX's fallback: 29 primitives)."""
+
+    def __call__(self, x, offset: int = 0):
+        if not _on_cpu() or not isinstance(offset, int) or x.ndim not in (3, 4):
+            return super().__call__(x, offset)
+        return _ext.rope(x, self.dims, self.traditional, self.base, self.scale, offset, None)
 
 
-def _linear_call(self, x):
-    if not _kernel_handles(self):
-        return _stock["QuantizedLinear.__call__"](self, x)
-    y = _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, KERNEL_MAX_ROWS, None)
-    if "bias" in self:
-        y = y + self["bias"]
-    return y
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose CPU call of up to KERNEL_MAX_ROWS rows runs the integer-dot kernel."""
+
+    def __call__(self, x):
+        if not _kernel_handles(self):
+            return super().__call__(x)
+        y = _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, KERNEL_MAX_ROWS, None)
+        return y + self["bias"] if "bias" in self else y
 
 
-def _embedding_as_linear(self, x):
-    if not _kernel_handles(self):
-        return _stock["QuantizedEmbedding.as_linear"](self, x)
-    return _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, KERNEL_MAX_ROWS, None)
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose `as_linear` (a tied lm_head) runs the integer-dot kernel on CPU."""
+
+    def as_linear(self, x):
+        if not _kernel_handles(self):
+            return super().as_linear(x)
+        return _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, KERNEL_MAX_ROWS, None)
 
 
-# (class, method) -> ours; _stock keeps MLX's.
-_ours = {
-    (nn.QuantizedLinear, "__call__"): _linear_call,
-    (nn.QuantizedEmbedding, "as_linear"): _embedding_as_linear,
-    (nn.RMSNorm, "__call__"): _rms_norm_call,
-    (nn.RoPE, "__call__"): _rope_call,
+# stock class -> ours. Only exact instances are switched: a subclass may override the call.
+KERNEL_CLASSES = {
+    nn.RMSNorm: KernelRMSNorm,
+    nn.RoPE: KernelRoPE,
+    nn.QuantizedLinear: KernelQuantizedLinear,
+    nn.QuantizedEmbedding: KernelQuantizedEmbedding,
 }
-_stock_methods = {key: getattr(*key) for key in _ours}
-_stock = {f"{cls.__name__}.{method}": f for (cls, method), f in _stock_methods.items()}
+_STOCK_CLASSES = {ours: stock for stock, ours in KERNEL_CLASSES.items()}
 
 
-def use_cpu_layer_kernels(enabled: bool = True) -> None:
-    """Route nn.QuantizedLinear, nn.QuantizedEmbedding.as_linear, nn.RMSNorm and nn.RoPE through the
-    extension's kernels on CPU streams (enabled=True, the default after `import mlx_h2o`), or back to
-    MLX's own code (enabled=False)."""
-    for (cls, method), ours in _ours.items():
-        setattr(cls, method, ours if enabled else _stock_methods[(cls, method)])
+def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True) -> int:
+    """Switch `model`'s nn.RMSNorm, nn.RoPE, nn.QuantizedLinear and nn.QuantizedEmbedding modules to
+    the kernel subclasses above (enabled=True) or back to MLX's classes (enabled=False), in place;
+    returns how many modules changed. Only this model is affected."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"use_cpu_layer_kernels needs an mlx.nn.Module, got {type(model).__name__}")
+    table = KERNEL_CLASSES if enabled else _STOCK_CLASSES
+    changed = 0
+    for _, module in model.named_modules():
+        new = table.get(type(module))
+        if new is not None:
+            module.__class__ = new
+            changed += 1
+    return changed
 
 
-def cpu_layer_kernels_enabled() -> bool:
-    return all(getattr(cls, method) is ours for (cls, method), ours in _ours.items())
-
-
-def _enable_by_default() -> None:
-    if os.environ.get("MLX_H2O_CPU_LAYERS", "1") != "0":
-        use_cpu_layer_kernels(True)
+def cpu_layer_kernels_used(model: nn.Module) -> int:
+    """How many of `model`'s modules run the kernels."""
+    return sum(type(m) in _STOCK_CLASSES for _, m in model.named_modules())

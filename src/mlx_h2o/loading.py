@@ -203,9 +203,26 @@ def load_gguf(path, weights: Optional[str] = None) -> Tuple[nn.Module, object]:
     return model, _build_tokenizer(meta)
 
 
-def load(path: Optional[str] = None, weights: Optional[str] = None):
+def load(path: Optional[str] = None, weights: Optional[str] = None, cpu_kernels: Optional[bool] = None):
     """(model, tokenizer). No path: the embedded SmolLM2-135M-Instruct GGUF. A .gguf path: that file.
-    A directory: any mlx-lm model (mlx_lm.load). Nothing is downloaded."""
+    A directory: any mlx-lm model (mlx_lm.load). Nothing is downloaded.
+
+    cpu_kernels: switch the returned model's norm, RoPE and quantized layers to mlx-h2o's CPU kernels
+    (`use_cpu_layer_kernels(model)`; this model only). Default: on when the default device is the
+    CPU and this MLX does not run such kernels itself (the fork's MLX does)."""
+    model, tokenizer = _load_model(path, weights)
+    if cpu_kernels is None:
+        from .cpu_layers import mlx_has_layer_kernels
+
+        cpu_kernels = mx.default_device() == mx.cpu and not mlx_has_layer_kernels()
+    if cpu_kernels:
+        from .cpu_layers import use_cpu_layer_kernels
+
+        use_cpu_layer_kernels(model)
+    return model, tokenizer
+
+
+def _load_model(path, weights):
     if path is None:
         return load_gguf(default_model_path(), weights=weights)
     p = Path(os.fspath(path)).expanduser()

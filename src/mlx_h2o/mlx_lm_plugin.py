@@ -17,8 +17,6 @@ working through its hook.
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-import mlx_h2o  # noqa: F401  (loads mlx.core before the extension the caches use)
-
 from .caches import POLICIES
 
 # Policies mlx-lm defines itself (models/cache_policies.py of the patched wheel).

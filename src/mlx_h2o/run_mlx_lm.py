@@ -1,18 +1,41 @@
 """`python -m mlx_h2o.run_mlx_lm COMMAND ARGS...`: an mlx-lm command (generate, chat, server,
-cache_prompt, ...) with mlx-h2o imported first, so that on Linux MLX's CPU matmuls run on NumPy's
-OpenBLAS (see _blas.py: the shim must load before libmlx; the mlx-cpu wheel's own BLAS is a
-reference one, ~5x slower on a SmolLM2 prefill). Everything else is mlx-lm's own command:
+cache_prompt, ...) sped up on stock MLX, for this process only: MLX's CPU matmuls on NumPy's OpenBLAS
+(`use_openblas()`: the mlx-cpu wheel's own BLAS is a reference one, ~5x slower on a SmolLM2 prefill)
+and every model mlx-lm loads switched to mlx-h2o's CPU layer kernels (`use_cpu_layer_kernels`).
+Everything else is mlx-lm's own command:
 
     python -m mlx_h2o.run_mlx_lm server --model DIR --kv-policy h2o --kv-option max_kv_size=512
-"""
 
-import mlx_h2o  # noqa: F401  isort: skip  (before mlx.core: the BLAS shim)
+On the fork's MLX wheel (`scripts/series.py build mlx`) mlx-lm's own entry points get the same
+kernels from MLX itself and need no wrapper.
+"""
 
 import runpy
 import sys
 
+from ._blas import use_openblas
+
+
+def _with_layer_kernels(load_model):
+    from .cpu_layers import use_cpu_layer_kernels
+
+    def load(*args, **kwargs):
+        model, *rest = load_model(*args, **kwargs)
+        use_cpu_layer_kernels(model)
+        return (model, *rest)
+
+    return load
+
 
 def main() -> None:
+    use_openblas()  # before mlx-lm imports mlx.core
+    import mlx_lm.utils
+
+    from .cpu_layers import mlx_has_layer_kernels
+
+    if not mlx_has_layer_kernels():
+        # mlx-lm's load / sharded_load call load_model through the module: every model they return.
+        mlx_lm.utils.load_model = _with_layer_kernels(mlx_lm.utils.load_model)
     sys.argv = ["mlx_lm", *sys.argv[1:]]
     runpy.run_module("mlx_lm", run_name="__main__", alter_sys=True)
 

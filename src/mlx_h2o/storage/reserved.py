@@ -15,7 +15,7 @@ from math import gcd
 
 import mlx.core as mx
 
-from .. import _ext
+from .._native import _ext
 from ..options import check_int
 
 MAX_POSITIONS = 2**31 - 1  # shapes are int32 in MLX: positions past this cannot be addressed
