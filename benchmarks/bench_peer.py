@@ -3,11 +3,11 @@ decode tok/s and peak RSS, at each context, for mlx-h2o's full cache and h2o(M=-
 ratio per row.
 
     python benchmarks/bench_peer.py [--quick] [--contexts 512 2048] [--budget 256] [--gen 64] [--rounds 2] [--threads 2]
-        [--peer-python /work/venvs/llamacpp/bin/python]
+        [--peer-python build/venv-llamacpp/bin/python]
 
 llama-cpp-python is an optional benchmark dependency, never a test dependency; install it in its own
 venv (it compiles llama.cpp, natively for this CPU, on install):
-    python3 -m venv /work/venvs/llamacpp && /work/venvs/llamacpp/bin/pip install llama-cpp-python
+    python3 -m venv build/venv-llamacpp && build/venv-llamacpp/bin/pip install llama-cpp-python
 
 Every measurement is a fresh process (so peak RSS is that engine's alone): it loads the model, feeds
 the same token ids (the embedded SmolLM2 GGUF, `mlx_h2o.loading.default_model_path()`, real English
@@ -28,11 +28,13 @@ import sys
 import time
 
 PREFILL_CHUNK = 512
-DEFAULT_PEER_PYTHON = "/work/venvs/llamacpp/bin/python"
+DEFAULT_PEER_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "venv-llamacpp", "bin", "python")
 
 
 def prompt_tokens(context):
-    import mlx_h2o  # noqa: F401  (BLAS shim first)
+    import mlx_h2o
+
+    mlx_h2o.use_openblas()  # before mlx.core loads
     from mlx_h2o.evaluation import load_corpus, token_samples
     from mlx_h2o.loading import load
 
