@@ -4,17 +4,18 @@
 # clone, empty ccache) and how long it took.
 #
 #   0  machine   Debian packages for the builds and the evaluation text (apt-get, as root)  ~1 min
-#   1  stock     the package's suite on PyPI's MLX and mlx-lm (build/venv-stock)       ~12 min
+#   1  stock     the package's suite on PyPI's MLX and mlx-lm (build/venv-stock)       ~10 min
 #                --quick stops here
 #   2  series    patches/mlx onto mlx/ (the submodule, pinned upstream commit) and
 #                patches/mlx-lm onto the pinned mlx-lm sdist: each applies and exports
 #                back byte for byte, and the MLX series carries csrc/'s kernels        < 1 min
-#   3  wheels    the fork's MLX, the patched mlx-lm, mlx-h2o built against that MLX    ~14 min
-#                (scripts/build_wheels.sh; ccache makes a rebuild ~2 min)
-#   4  mlx       MLX's own Python tests of the touched areas, on the fork's wheel       ~3 min
+#   3  wheels    the fork's MLX, the patched mlx-lm, mlx-h2o built against that MLX    ~8 min
+#                (scripts/build_wheels.sh; with a warm ccache ~2 min)
+#   4  mlx       MLX's own Python tests of the touched areas, on the fork's wheel       ~2 min
 #   5  mlx-lm    mlx-lm's suite (the patched tree's tests) and mlx-h2o's tests of
-#                mlx-lm's commands and server, on the custom wheels                    ~6 min
-#   6  fork      the package's suite against the custom wheels (build/venv-fork)       ~10 min
+#                mlx-lm's commands and server, on the custom wheels                    ~2 min
+#   6  fork      the package's suite against the custom wheels (build/venv-fork)       ~7 min
+# Measured cold (fresh clone, empty ccache, warm pip cache): 27 min; --quick: 10 min.
 #
 # Usage: ci/run.sh [--quick] [PYTEST_ARGS...]   (pytest arguments apply to steps 1 and 6)
 set -euo pipefail
@@ -124,13 +125,13 @@ fork() {
 
 step machine "~1 min" machine
 ./scripts/setup_text.sh
-step stock "~12 min" stock "$@"
+step stock "~10 min" stock "$@"
 if [ $quick = 0 ]; then
   step series "< 1 min" series
-  step wheels "~14 min cold, ~3 min warm" ./scripts/build_wheels.sh
-  step mlx "~3 min" mlx_tests
-  step mlx-lm "~6 min" mlx_lm_tests
-  step fork "~10 min" fork "$@"
+  step wheels "~8 min cold, ~2 min with a warm ccache" ./scripts/build_wheels.sh
+  step mlx "~2 min" mlx_tests
+  step mlx-lm "~2 min" mlx_lm_tests
+  step fork "~7 min" fork "$@"
 fi
 echo
 echo "=== ci: all steps passed in $(($(date +%s) - start_all)) s"

@@ -23,8 +23,19 @@ pip() {
 }
 tools=("pytest>=7" "hypothesis>=6" "Pillow" "requests")
 if [ "$kind" = stock ]; then
-  echo "venv.sh: $venv: mlx-h2o from this checkout against PyPI's MLX (first time: ~3 min, the C++ extension)" >&2
-  pip install -v "$root[test]" "${tools[@]}"
+  # What the installed package was built from: an unchanged checkout is not rebuilt.
+  stamp="$venv/.mlx-h2o-sources"
+  sources="$(cd "$root" && find csrc src CMakeLists.txt pyproject.toml -type f \
+    \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name '*.inc' -o -name '*.txt' -o -name '*.toml' \) \
+    -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$sources" ]; then
+    echo "venv.sh: $venv: mlx-h2o is current (its sources have not changed since it was built)" >&2
+  else
+    echo "venv.sh: $venv: mlx-h2o from this checkout against PyPI's MLX (~3 min: the C++ extension)" >&2
+    rm -f "$stamp"
+    pip install -v "$root[test]" "${tools[@]}"
+    echo "$sources" >"$stamp"
+  fi
 else
   shopt -s nullglob
   # shellcheck source=../patches/mlx/pin.env

@@ -393,7 +393,7 @@ def test_pinned_spans_are_never_evicted():
     assert mlx_h2o.make_cache(model, "h2o", max_kv_size=M, pin="3:13;40:50")[0].config.pin == ((3, 13), (40, 50))
 
 
-def test_reset_trim_and_hook():
+def test_reset_and_trim():
     model = tiny_model("llama")
     x = _tokens(60, seed=9, batch=1)
     cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=16)
@@ -411,6 +411,14 @@ def test_reset_trim_and_hook():
     assert pos.max() == 56 and c0.length == 13
     run = next(k for k in range(1, 14) if not (pos[..., -k:] == np.arange(57 - k, 57)).all()) - 1
     assert c0.trim(100) == run and c0.offset == 57 - run and c0.length == 13 - run
+
+
+@pytest.mark.skipif(hook.MLX_LM_CALLS_ATTEND, reason="the patched mlx-lm calls cache.attend itself: there is no hook to remove")
+def test_without_the_hook_the_cache_falls_back():
+    model = tiny_model("llama")
+    x = _tokens(60, seed=9, batch=1)
+    mlx_h2o.make_cache(model, "h2o", max_kv_size=16)
+    assert hook.installed()
     # With the hook removed the model never reaches attend(): the cache says so and falls back.
     fallback = [H2OKVCache(H2OConfig.build(16)) for _ in model.layers]
     hook.remove()

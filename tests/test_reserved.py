@@ -71,8 +71,9 @@ def test_untouched_reservation_does_not_grow_rss():
     assert grew < 32 << 20, f"an untouched 256 MiB reservation grew RSS by {grew / 2**20:.1f} MiB"
     a[: 1 << 24] = mx.ones([1 << 24], mx.float32)  # write 64 MiB of it
     mx.eval(a)
-    grew = _current_rss_bytes() - before
-    assert (64 << 20) - (1 << 20) < grew < (64 + 32) << 20, grew / 2**20
+    # What the write committed, counted on the buffer itself (mincore): the process's RSS also moves
+    # with whatever MLX's allocator frees meanwhile.
+    assert resident_bytes(a) == 64 << 20, resident_bytes(a) / 2**20
 
 
 @pytest.mark.parametrize("dtype", [mx.bool_, mx.uint8, mx.float16, mx.bfloat16, mx.float32, mx.int64, mx.complex64])
