@@ -63,9 +63,10 @@ pytest_suite() {  # pytest_suite PYTHON ARGS...: the package's suite, one line p
   "$py" -m pytest -p no:cacheprovider --durations=5 "$@"
 }
 
-stock() {
+suite() {  # suite stock|fork PYTEST_ARGS...: the package's suite in that venv
   local py
-  py="$(scripts/venv.sh stock)"
+  py="$(scripts/venv.sh "$1")"
+  shift
   "$py" -c 'import mlx.core as mx, mlx_lm, mlx_h2o; print(f"MLX {mx.__version__}, mlx-lm {mlx_lm.__version__}, mlx-h2o {mlx_h2o.__version__}")'
   pytest_suite "$py" "$@"
 }
@@ -116,22 +117,15 @@ mlx_lm_tests() {
   pytest_suite "$py" tests/test_mlx_lm_plugin.py tests/test_mlx_lm_commands.py
 }
 
-fork() {
-  local py
-  py="$(scripts/venv.sh fork)"
-  "$py" -c 'import mlx.core as mx, mlx_lm, mlx_h2o; print(f"MLX {mx.__version__}, mlx-lm {mlx_lm.__version__}, mlx-h2o {mlx_h2o.__version__}")'
-  pytest_suite "$py" "$@"
-}
-
 step machine "~1 min" machine
 ./scripts/setup_text.sh
-step stock "~10 min" stock "$@"
+step stock "~10 min" suite stock "$@"
 if [ $quick = 0 ]; then
   step series "< 1 min" series
   step wheels "~8 min cold, ~2 min with a warm ccache" ./scripts/build_wheels.sh
   step mlx "~2 min" mlx_tests
   step mlx-lm "~2 min" mlx_lm_tests
-  step fork "~7 min" fork "$@"
+  step fork "~7 min" suite fork "$@"
 fi
 echo
 echo "=== ci: all steps passed in $(($(date +%s) - start_all)) s"

@@ -216,15 +216,26 @@ class MLXSeries(Series):
         finally:
             shutil.rmtree(stripped, ignore_errors=True)
 
-    def check_kernel(self) -> None:
+    def carried_kernel_files(self) -> tuple[dict[str, bytes | None], set[str]]:
+        """{MLX path: contents (None where a patch edits rather than adds it)} of the files the series
+        puts under MLX_KERNEL_DIR, and the names of the patches that do."""
         kdir = self.pin["MLX_KERNEL_DIR"]
-        carried = {}
+        carried, owners = {}, set()
         for p in self.patches():
             for path, section in split_patch(p.read_text())[1]:
                 if path.startswith(kdir + "/"):
+                    owners.add(p.name)
                     carried[path] = new_file_contents(section)
-        expected = vendored_kernel_files(kdir)
-        stale = sorted(k for k in expected.keys() | carried.keys() if expected.get(k) != carried.get(k))
+        return carried, owners
+
+    def stale_kernel_files(self, csrc: Path = CSRC) -> list[str]:
+        """The MLX paths where the series' kernel files differ from csrc/'s (or one side lacks them)."""
+        carried, _ = self.carried_kernel_files()
+        expected = vendored_kernel_files(self.pin["MLX_KERNEL_DIR"], csrc)
+        return sorted(k for k in expected.keys() | carried.keys() if expected.get(k) != carried.get(k))
+
+    def check_kernel(self) -> None:
+        stale = self.stale_kernel_files()
         if stale:
             raise SeriesError(f"the series' kernel files differ from csrc/: {stale}; run scripts/series.py export mlx")
 

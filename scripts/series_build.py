@@ -9,6 +9,7 @@ mlx-lm: the applied mlx-lm/ tree as a pure-Python wheel, versioned <release>+h2o
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -79,11 +80,8 @@ def _gguflib(s, deps: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(source), "archive", commit], check=True, capture_output=True).stdout
-    tar_path = deps / "gguflib.tar"
-    tar_path.write_bytes(archive)
-    with tarfile.open(tar_path) as tar:
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(out)
-    tar_path.unlink()
     (deps / "gguflib.commit").write_text(commit)
     return out
 

