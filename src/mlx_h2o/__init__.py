@@ -10,7 +10,7 @@ before anything imports mlx.core, or set MLX_H2O_BLAS=openblas).
 import importlib
 import os
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # public name -> the module that defines it (imported on first access: PEP 562)
 _EXPORTS = {

@@ -1,6 +1,7 @@
 """Options of cache policies, declared once.
 
-Each policy states its options as a table of `Option`s (name, kind, default, help). The table is
+Each policy states its options as a table of `Option`s (name, kind, default, help); a policy made
+of parts declares them as dataclass fields (`option`), and `options_of` makes the table. The table is
 what `make_cache` validates against, what the CLI builds its flags from, how `name:key=value` specs
 and mlx-lm's `--kv-option KEY=VALUE` strings are parsed, and what the option tables in README.md
 and docs/policies.md are generated from (`mlx-h2o options --write FILE`).
@@ -8,141 +9,10 @@ and docs/policies.md are generated from (`mlx-h2o options --write FILE`).
 
 import json
 import re
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
 
-# -------------------------------------------------------------------------------------------- checks
-
-
-def check_int(name: str, value, low: Optional[int] = None, high: Optional[int] = None) -> int:
-    """`value` as an int in [low, high] (either bound may be None), else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name} must be an integer {_int_range(low, high)}, got {value!r}")
-    return int(value)
-
-
-def _int_range(low, high) -> str:
-    if low is not None and high is not None:
-        return f"in [{low}, {high}]"
-    if low is not None:
-        return f">= {low}"
-    return f"<= {high}" if high is not None else ""
-
-
-def check_choice(name: str, value, choices: Sequence, aliases: Optional[Mapping] = None):
-    """`value` (or what it is an alias of) if it is one of `choices`, else a ValueError listing them."""
-    if aliases and _hashable(value) and value in aliases:
-        value = aliases[value]
-    if _hashable(value) and value in choices and not isinstance(value, bool):
-        return value
-    listed = ", ".join(repr(c) for c in (*choices, *(aliases or {})))
-    raise ValueError(f"{name} must be one of {listed}, got {value!r}")
-
-
-def _hashable(value) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-# ---------------------------------------------------------------------------------------------- kinds
-# A kind checks a Python value (normalising it) and parses the text form of one.
-
-
-@dataclass(frozen=True)
-class Int:
-    low: Optional[int] = None
-    high: Optional[int] = None
-
-    def check(self, name, value):
-        return check_int(name, value, self.low, self.high)
-
-    def parse(self, name, text: str):
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{name} must be an integer {_int_range(self.low, self.high)}, got {text!r}") from None
-
-    def describe(self) -> str:
-        return f"integer {_int_range(self.low, self.high)}".strip()
-
-
-@dataclass(frozen=True)
-class Float:
-    low: float
-    high: float  # exclusive
-
-    def check(self, name, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not self.low <= value < self.high:
-            raise ValueError(f"{name} must be a number in [{self.low}, {self.high}), got {value!r}")
-        return float(value)
-
-    def parse(self, name, text: str):
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{name} must be a number in [{self.low}, {self.high}), got {text!r}") from None
-
-    def describe(self) -> str:
-        return f"number in [{self.low}, {self.high})"
-
-
-@dataclass(frozen=True)
-class Choice:
-    choices: Tuple
-    aliases: Tuple[Tuple[Any, Any], ...] = ()  # (alias, value) pairs
-
-    def check(self, name, value):
-        return check_choice(name, value, self.choices, dict(self.aliases))
-
-    def names(self) -> Tuple:
-        """What a user can write: the choices and the aliases spelled differently from them."""
-        spelled = {str(c) for c in self.choices}
-        return (*self.choices, *(a for a, _ in self.aliases if isinstance(a, str) and a not in spelled))
-
-    def parse(self, name, text: str):
-        for c in self.names():
-            if str(c) == text:
-                return dict(self.aliases).get(c, c)
-        return self.check(name, text)  # raises, listing the choices
-
-    def describe(self) -> str:
-        return " \\| ".join(f"`{c}`" for c in self.names())
-
-
-@dataclass(frozen=True)
-class Flag:
-    def check(self, name, value):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-        return value
-
-    def parse(self, name, text: str):
-        return self.check(name, {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower(), text))
-
-    def describe(self) -> str:
-        return "true \\| false"
-
-
-@dataclass(frozen=True)
-class Custom:
-    """A kind with its own check (value -> normalised value) and text parser."""
-
-    checker: Callable[[str, Any], Any]
-    parser: Callable[[str, str], Any]
-    description: str
-
-    def check(self, name, value):
-        return self.checker(name, value)
-
-    def parse(self, name, text: str):
-        return self.checker(name, self.parser(name, text))
-
-    def describe(self) -> str:
-        return self.description
-
+from .option_kinds import Choice, Custom, Flag, Float, Int, check_choice, check_int  # noqa: F401  (the kinds options take)
 
 # -------------------------------------------------------------------------------------------- options
 
@@ -177,6 +47,21 @@ class Option:
         if self.required:
             return "required"
         return "unset" if self.default is None else f"`{json.dumps(self.default) if isinstance(self.default, bool) else self.default}`"
+
+
+def option(kind, default=None, help: str = ""):
+    """A dataclass field that is also a policy option named after the field: the parts of a policy
+    declare their options once, as fields (`options_of` makes the table)."""
+    return field(default=None if default is REQUIRED else default, metadata={"option": (kind, default, help)})
+
+
+def options_of(*classes) -> Tuple[Option, ...]:
+    """The option table of dataclasses whose fields are `option`s, in field order."""
+    return tuple(Option(f.name, *f.metadata["option"]) for cls in classes for f in fields(cls) if "option" in f.metadata)
+
+
+def option_names(cls) -> Tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if "option" in f.metadata)
 
 
 def unknown_options(policy: str, table: Sequence[Option], names) -> ValueError:

@@ -21,35 +21,39 @@ from mlx_lm.models import cache as lm_cache
 
 from .. import hook
 
-SAVE_FORMAT = 2  # mlx-h2o 0.1.0 wrote format 1 (unversioned states)
+SAVE_FORMAT = 2  # mlx-h2o 0.1.0 wrote format 1 (unversioned states); a class may move on (save_format)
 FORMAT_KEY = "mlx_h2o_save_format"
-# Save format -> the mlx-h2o release that wrote it, for error messages.
-FORMAT_RELEASES = {1: "0.1.0", 2: "0.2.0"}
+# Save format -> the mlx-h2o release that first wrote it, for error messages (format 3: the h2o cache
+# of parts, whose rows carry their bookkeeping as columns).
+FORMAT_RELEASES = {1: "0.1.0", 2: "0.2.0", 3: "0.3.0"}
 
 
 def _release(fmt) -> str:
     return f"mlx-h2o {FORMAT_RELEASES.get(fmt, 'newer than this one')} (save format {fmt})"
 
 
-def parse_meta(cls_name: str, meta) -> dict:
-    """The meta_state dict of a saved cache, or a ValueError saying which release wrote the file."""
+def parse_meta(cls, meta) -> dict:
+    """The meta_state dict of a saved cache of class `cls`, or a ValueError saying which release
+    wrote the file."""
     try:
         d = json.loads(meta) if isinstance(meta, str) else None
     except json.JSONDecodeError:
         d = None
     fmt = d.get(FORMAT_KEY, 1) if isinstance(d, dict) else 1
-    if fmt != SAVE_FORMAT:
+    if fmt != cls.save_format:
         from .. import __version__
 
         raise ValueError(
-            f"this {cls_name} prompt cache was saved by {_release(fmt)}; mlx-h2o {__version__} reads save format "
-            f"{SAVE_FORMAT} only: recompute the prompt cache (e.g. mlx_lm.cache_prompt) with this release"
+            f"this {cls.__name__} prompt cache was saved by {_release(fmt)}; mlx-h2o {__version__} reads save format "
+            f"{cls.save_format} only: recompute the prompt cache (e.g. mlx_lm.cache_prompt) with this release"
         )
     return d
 
 
 class SavedCache(lm_cache._BaseCache):
     """The versioned save format (see the module docstring)."""
+
+    save_format = SAVE_FORMAT
 
     def _payload(self):
         raise NotImplementedError
@@ -62,11 +66,11 @@ class SavedCache(lm_cache._BaseCache):
 
     @property
     def meta_state(self) -> str:
-        return json.dumps({FORMAT_KEY: SAVE_FORMAT, **self._meta()})
+        return json.dumps({FORMAT_KEY: self.save_format, **self._meta()})
 
     @meta_state.setter
     def meta_state(self, value) -> None:
-        parse_meta(type(self).__name__, value)  # the state, set first, already restored the cache
+        parse_meta(type(self), value)  # the state, set first, already restored the cache
 
     @property
     def state(self):
@@ -75,7 +79,7 @@ class SavedCache(lm_cache._BaseCache):
     @state.setter
     def state(self, value):
         paired = isinstance(value, (tuple, list)) and len(value) == 2  # 0.1.0 states were flat tuples or dicts
-        meta = parse_meta(type(self).__name__, value[1] if paired else None)
+        meta = parse_meta(type(self), value[1] if paired else None)
         self._restore(value[0], meta)
 
     @classmethod

@@ -1,30 +1,14 @@
 """K/V storage for caches: K and V rows side by side, in one format (`KVStore`) or in two precision
 tiers (`TieredKV`). Storage knows nothing of eviction policies: a cache appends rows, asks for a
-compaction that keeps rows it chose, and hands `segments()` to the fused kernel.
-
-The interface every storage (and the rotation wrapper, storage/rotation.py) offers:
-  length                              rows held
-  append(keys, values, capacity=None) write rows (B, H, L, D) after the held ones; `capacity` sizes the
-                                      buffers when they grow (None: steps of GROW_STEP rows)
-  gather(idx, keep, protected_tail=0, capacity=0)
-                                      keep rows idx[..., :keep] (ascending) per (batch, head); the
-                                      last `protected_tail` of them are the newest rows
-  trim(n)                             forget the newest n rows
-  segments()                          [(k, v)] in row order, each an mx.array or a PackedKV
-  fetch()                             what a cache's update_and_fetch returns: (keys, values) arrays for
-                                      dense rows (models may use them directly), else (segments(), None)
-  prepare_queries(q), restore_output(o, dtype)
-                                      the attention-side transforms (identity here; a rotation there)
-  read_rows()                         every row's (keys, values) as dense float32 arrays in row order, in
-                                      the stored space (for policies that look at key / value content)
-  write_rows(idx, keys, values)       overwrite rows idx (B, H, n) with dense keys / values (B, H, n, D)
-                                      in the stored space (packed rows are re-quantized)
-  nbytes(), state(), load(state)
+compaction that keeps rows it chose, and hands `segments()` to the fused kernel. `KVStorage`
+declares the protocol every storage implements (the rotation wrapper, storage/rotation.py, and the
+per-entry columns, storage/columns.py, included).
 
 A format is `bits` (None = the model's dtype, or 2-8 packed) for K and V alike, or a (k_bits,
 v_bits) pair: keys are the sensitive half, so K8/V4 spends its bits where they matter.
 """
 
+from abc import ABC, abstractmethod
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -32,17 +16,112 @@ import mlx.core as mx
 from .rows import RowStore, grown_capacity, pad_indices
 
 
-class KVStorage:
-    """Defaults shared by every storage (see the module docstring)."""
+class KVStorage(ABC):
+    """K/V rows of one cache layer, (B, H, rows, D) per tensor, in row order."""
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Rows held."""
+
+    @abstractmethod
+    def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None) -> None:
+        """Write rows (B, H, L, D) after the held ones; `capacity` sizes the buffers when they grow
+        (None: steps of GROW_STEP rows)."""
+
+    @abstractmethod
+    def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
+        """Keep rows idx[..., :keep] (ascending) per (batch, head), in buffers of `capacity` rows; the
+        last `protected_tail` of them are the newest rows (a tiered storage keeps them in its high tier)."""
+
+    @abstractmethod
+    def trim(self, n: int) -> None:
+        """Forget the newest n rows."""
+
+    @abstractmethod
+    def segments(self) -> list:
+        """[(k, v)] in row order, each an mx.array or a PackedKV: what the fused kernel reads."""
+
+    @abstractmethod
+    def read_rows(self) -> Tuple[mx.array, mx.array]:
+        """Every row's (keys, values) as dense float32 arrays in row order, in the stored space (for
+        policies that look at key / value content)."""
+
+    @abstractmethod
+    def write_rows(self, idx: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Overwrite rows idx (B, H, n) with dense keys / values (B, H, n, D) in the stored space
+        (packed rows are re-quantized)."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the rows held."""
+
+    @abstractmethod
+    def state(self):
+        """The rows as a tree of arrays (None when empty) that `load` takes back."""
+
+    @abstractmethod
+    def load(self, state) -> None: ...
 
     def fetch(self):
+        """What a cache's update_and_fetch returns: (keys, values) arrays for dense rows (models may
+        use them directly), else (segments(), None)."""
         return self.segments(), None
 
     def prepare_queries(self, queries: mx.array) -> mx.array:
+        """Queries in the stored space (identity here; a rotation there)."""
         return queries
 
     def restore_output(self, out: mx.array, dtype) -> mx.array:
+        """An attention output over the stored values, back in the model's space and dtype."""
         return out
+
+
+class KVWrapper(KVStorage):
+    """A storage over another one (`inner`): it changes some calls and forwards the rest."""
+
+    def __init__(self, inner: KVStorage):
+        self.inner = inner
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    def append(self, keys, values, capacity=None) -> None:
+        self.inner.append(keys, values, capacity)
+
+    def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
+        self.inner.gather(idx, keep, protected_tail, capacity)
+
+    def trim(self, n: int) -> None:
+        self.inner.trim(n)
+
+    def segments(self) -> list:
+        return self.inner.segments()
+
+    def fetch(self):
+        return self.inner.fetch()
+
+    def read_rows(self):
+        return self.inner.read_rows()
+
+    def write_rows(self, idx, keys, values) -> None:
+        self.inner.write_rows(idx, keys, values)
+
+    def prepare_queries(self, queries):
+        return self.inner.prepare_queries(queries)
+
+    def restore_output(self, out, dtype):
+        return self.inner.restore_output(out, dtype)
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+    def state(self):
+        return self.inner.state()
+
+    def load(self, state) -> None:
+        self.inner.load(state)
 
 
 def role_bits(bits) -> Tuple[Optional[int], Optional[int]]:
@@ -57,7 +136,11 @@ class KVStore(KVStorage):
     def __init__(self, bits=None, group_size: int = 32):
         k_bits, v_bits = role_bits(bits)
         self.k, self.v = RowStore(k_bits, group_size), RowStore(v_bits, group_size)
-        self.length = 0
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
 
     @property
     def capacity(self) -> int:
@@ -72,19 +155,19 @@ class KVStore(KVStorage):
             self.v.reserve(ev, self.length, capacity)
         self.k.write(self.length, ek)
         self.v.write(self.length, ev)
-        self.length = needed
+        self._length = needed
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
         idx = pad_indices(idx, capacity)
         self.k.gather(idx)
         self.v.gather(idx)
-        self.length = keep
+        self._length = keep
 
     def drop_front(self, n: int) -> None:
         """Forget the oldest n rows (the rest keeps no spare room)."""
         self.k.drop_front(n, self.length)
         self.v.drop_front(n, self.length)
-        self.length -= n
+        self._length -= n
 
     def decode(self, start: int, stop: int):
         """Rows [start, stop) of K and V as dense values in the stored dtype."""
@@ -98,7 +181,7 @@ class KVStore(KVStorage):
         self.v.write_at(idx, values)
 
     def trim(self, n: int) -> None:
-        self.length -= n
+        self._length -= n
 
     def segments(self) -> list:
         return [(self.k.view(self.length), self.v.view(self.length))] if self.length else []
@@ -116,12 +199,12 @@ class KVStore(KVStorage):
 
     def load(self, state) -> None:
         if state is None:
-            self.length = 0
+            self._length = 0
             self.k.arrays = self.v.arrays = None
             return
         self.k.load(state["k"])
         self.v.load(state["v"])
-        self.length = self.k.capacity
+        self._length = self.k.capacity
 
 
 class TieredKV(KVStorage):

@@ -22,7 +22,7 @@ from typing import Optional, Tuple, Union
 import mlx.core as mx
 import numpy as np
 
-from .kv import KVStorage
+from .kv import KVStorage, KVWrapper
 
 LAMBDA_FLOOR = 1e-6
 # How a cache gets its per-coordinate λ: "none" (rotation alone) or "prefill" (fitted on the first
@@ -130,18 +130,15 @@ class KVRotation:
         return cls(state["signs_k"], state["signs_v"], state["lam_k"], state["lam_v"])
 
 
-class RotatedKV(KVStorage):
+class RotatedKV(KVWrapper):
     """Storage whose rows are kept rotated (see the module docstring): `inner` holds λ ⊙ (x Rᵀ); the
     rotation is made on the first write (seeded; λ as `lam` says: "none", "prefill" = fitted on
     that write, or calibrated (lam_k, lam_v))."""
 
     def __init__(self, inner: KVStorage, seed: int, lam: Union[str, Lambdas] = DEFAULT_LAMBDA):
-        self.inner, self.seed, self.lam = inner, seed, lam
+        super().__init__(inner)
+        self.seed, self.lam = seed, lam
         self.rotation: Optional[KVRotation] = None
-
-    @property
-    def length(self) -> int:
-        return self.inner.length
 
     def append(self, keys, values, capacity=None) -> None:
         if self.rotation is None:
@@ -152,29 +149,14 @@ class RotatedKV(KVStorage):
                 self.rotation.fit_lambdas(keys, values)
         self.inner.append(self.rotation.keys(keys), self.rotation.values(values), capacity)
 
-    def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
-        self.inner.gather(idx, keep, protected_tail, capacity)
-
-    def trim(self, n: int) -> None:
-        self.inner.trim(n)
-
-    def segments(self) -> list:
-        return self.inner.segments()
-
-    def read_rows(self):
-        return self.inner.read_rows()
-
-    def write_rows(self, idx, keys, values) -> None:
-        self.inner.write_rows(idx, keys, values)
+    def fetch(self):
+        return self.segments(), None  # rotated rows are not the model's keys
 
     def prepare_queries(self, queries):
         return self.rotation.queries(queries)
 
     def restore_output(self, out, dtype):
         return self.rotation.output(out, dtype)
-
-    def nbytes(self) -> int:
-        return self.inner.nbytes()
 
     def state(self):
         return {"rows": self.inner.state(), "rotation": None if self.rotation is None else self.rotation.state}

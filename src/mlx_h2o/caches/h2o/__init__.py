@@ -1,14 +1,19 @@
-"""The "h2o" policy: a heavy-hitter KV cache (Zhang et al., 2023) for every mlx-lm model, in parts:
-options.py (the option table and H2OConfig), scoring.py (how attention becomes priority),
-eviction.py (when, how many, which), budgets.py (how the budget is spread over layers and heads),
-cache.py (H2OKVCache), adaptive.py (per-head budgets), policy.py (the policy)."""
+"""The "h2o" policy: a heavy-hitter KV cache (Zhang et al., 2023) for every mlx-lm model, composed of
+parts, each a frozen dataclass whose fields are its options: budget.py (how many entries, which are
+protected, when to evict), scorer.py (how attention becomes priority; the rules in scoring.py),
+keeper.py (drop, merge or archive what is evicted), storage.py (the rows' format). options.py joins
+them into `H2OConfig` and the option table; cache.py is `H2OKVCache`, which works on lanes
+(lane.py); eviction.py picks the entries, spread.py spreads M over layers and heads, batch.py
+batches sequences, policy.py registers the policy."""
 
 from . import policy  # noqa: F401  (registers the policy)
-from .adaptive import AdaptiveHeadsKVCache
-from .archive import ArchiveKVCache
-from .cache import H2OKVCache, make_storage
+from .budget import Budget
+from .cache import H2OKVCache
 from .eviction import eviction_plan, select_entries
+from .keeper import Keeper
 from .options import OPTIONS, H2OConfig
+from .scorer import Scorer
 from .scoring import SCORE_RULES
+from .storage import Storage
 
-__all__ = ["AdaptiveHeadsKVCache", "ArchiveKVCache", "H2OConfig", "H2OKVCache", "OPTIONS", "SCORE_RULES", "eviction_plan", "make_storage", "select_entries"]
+__all__ = ["Budget", "H2OConfig", "H2OKVCache", "Keeper", "OPTIONS", "SCORE_RULES", "Scorer", "Storage", "eviction_plan", "select_entries"]

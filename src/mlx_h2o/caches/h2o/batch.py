@@ -36,7 +36,7 @@ class BatchH2OKVCache(AttendingCache):
         out = []
         for c in caches:
             out += c.caches if isinstance(c, cls) else [c]
-        if any(c.acc is not None and c.acc.shape[0] != 1 for c in out):
+        if any(c.shape is not None and c.shape[0] != 1 for c in out):
             raise ValueError("h2o caches merge into a batch only from single-sequence caches")
         return cls(out)
 

@@ -1,17 +1,18 @@
-"""`H2OKVCache`: the heavy-hitter cache of one layer.
+"""`H2OKVCache`: the heavy-hitter cache of one layer, composed of its configuration's parts.
 
-Per kv head the cache keeps M = sink + heavy + recent entries: the first `sink` tokens, the `heavy`
-highest-priority middle tokens and the `recent` last tokens, plus any pinned spans (outside M).
-Priorities come from the attention each entry received, reported by the fused kernel's score
-export and folded in by a scoring rule (scoring.py); which entries go is planned in eviction.py;
-K/V rows live in storage (storage/: dense, packed, tiered, rotated).
+Per kv head the cache keeps M = sink + heavy + recent entries (the budget, budget.py) plus any pinned
+spans. The fused kernel's score export tells the scorer (scorer.py) how much attention each entry
+received; when the budget is exceeded the highest priorities and the protected entries are kept
+(eviction.py), and the keeper (keeper.py) drops, merges or archives the rest. Rows and their
+per-entry columns live in storage (storage.py, mlx_h2o.storage), in lanes (lane.py): one for the
+layer, or one per kv head under per-head budgets.
 
 How it fits mlx-lm without model edits:
 - Models reach attention through `mlx_lm.models.base.scaled_dot_product_attention`, which hands the
   call to `attend` (caches/base.py), where the op runs with scores and the rule accumulates them.
-- `offset` counts the tokens processed (RoPE positions, masks); `length` is what is stored. They
-  differ once anything is evicted, and the model never sees `length` as a position (resetting
-  `offset` after eviction was the MLX seed's garbage-output bug).
+- `offset` counts the tokens processed (RoPE positions, masks); `length` is what is stored (the mean
+  over heads). They differ once anything is evicted, and the model never sees `length` as a
+  position (resetting `offset` after eviction was the MLX seed's garbage-output bug).
 - Eviction happens at the start of `update_and_fetch`, before the new tokens are appended, from the
   scores gathered so far; `make_mask` plans the same eviction, so the mask built before the layer
   runs matches the evicted layout. Rows stay in position order and new tokens are appended at the
@@ -24,328 +25,178 @@ import warnings
 from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
-from ...attention import attention_with_scores
-from ...storage import KVStorage, RotatedKV, check_group_size, gather_rows, make_kv_storage
 from ..base import AttendingCache
-from .budgets import LayerBudgetGroup, attention_entropy
-from .eviction import buffer_capacity, eviction_plan, keep_count, merge_evicted, recent_kept, uses_keys
+from .batch import BatchH2OKVCache
+from .eviction import choose_entries
+from .lane import join_outputs, make_lanes
 from .options import H2OConfig
-from .scoring import make_rule, max_pool
+from .spread import attention_entropy
 
-
-# Per query row, the weight the running query statistics keep (about the last 20 rows): recent
-# queries, whose RoPE phases are close to the next ones'.
-QUERY_DECAY = 0.95
-
-
-def make_storage(config: H2OConfig, seed: int) -> KVStorage:
-    """K/V rows as the config says: one format or older/recent tiers, rotated or not."""
-    older, recent = config.tiers()
-    store = make_kv_storage(older, recent, config.recent, config.kv_group_size)
-    return RotatedKV(store, seed, config.rotate_lam) if config.rotate else store
+NO_SCORES = ("h2o: this model computes attention without mlx_lm.models.base.scaled_dot_product_attention (or the hook "
+             "was removed), so the cache gets no attention scores; it keeps sink + recent entries instead (a sliding window)")
 
 
 class H2OKVCache(AttendingCache):
     """Sink + heavy hitters + recent window, per kv head; see the module docstring."""
 
+    save_format = 3
+
     def __init__(self, config: H2OConfig, seed: int = 0):
-        self.config = config  # this layer's: M may differ from the policy's (layer_budget, budgets.py)
-        self.seed = seed  # of this layer's rotation (rotate=True)
-        # layer_budget="dispersion": the model's caches share a group that fixes every layer's M
-        # when the first one fills (budgets.py); a loaded cache keeps the budget it was saved with.
-        self.budget_group: Optional[LayerBudgetGroup] = None
-        self.budget_index = 0
-        self.budget_allocated = config.layer_budget != "dispersion"
-        self.rule = make_rule(config.score, config.decay)
+        self.config, self.seed = config, seed  # this layer's (M: layer_budget, spread.py); its rotation's seed
+        # layer_budget="dispersion": the model's caches share a group that fixes every layer's M when
+        # the first one fills (spread.py); a loaded cache keeps the budget it was saved with.
+        self.budget_group, self.budget_index = None, 0
+        self.budget_allocated = config.budget.layer_budget != "dispersion"
         self.reset()
 
     def reset(self):
         """Forget everything (an independent generation starts from scratch)."""
-        self.store = make_storage(self.config, self.seed)  # K/V rows, position order
-        self.acc = self.positions = None  # (B, H, capacity): score accumulator, token position
-        self.mult = None  # (B, H, capacity): tokens an entry stands for (merge; None when merge is off)
-        self.offset = 0  # tokens processed: RoPE position of the next token
-        self.length = 0  # entries held
-        self.peak = 0  # most entries ever held at once (bound: M + pinned, or a prefill chunk past it)
-        self.evictions = 0
-        self.scoreless = False
-        self._awaiting_scores = False
-        # Running mean and mean square of the (storage-space) queries per query head, and the
-        # attention scale: what expected attention (`expected`) predicts future queries from.
-        self.q_mean = self.q_sq = None
-        self.scale = None
+        self.lanes = None  # set by the first rows, with (B, H), the head dims and the rows' dtype
+        self.shape = self.head_dims = self.row_dtype = None
+        self.offset = self.length = self.peak = self.evictions = 0
+        self.scoreless, self._awaiting_scores, self.scale = False, False, None
+        self.budget = self.config.budget  # in force: less the archive's share once the first rows came
+
+    def set_layer_budget(self, m: int):
+        """This layer's M (layer_budget: pyramid, or dispersion once allocated)."""
+        self.config = self.config.with_budget(self.config.budget.for_layer(m))
+        self.budget_allocated = True
+        if self.lanes is not None:
+            self._start(*self.shape, self.head_dims, self.row_dtype, self.lanes)
 
     # ------------------------------------------------------------------ mlx-lm's protocol
     def size(self):
         return self.length
 
     def empty(self):
-        return self.acc is None
+        return self.lanes is None
 
     @property
     def nbytes(self):
-        # Stored K/V rows plus the per-entry score and position bookkeeping.
-        n = self.length
-        return self.store.nbytes() + sum(a[..., :n].nbytes for a in (self.acc, self.positions, self.mult) if a is not None)
+        return sum(lane.nbytes() for lane in self.lanes or ())
 
     def is_trimmable(self):
         return True
 
     def trim(self, n):
-        """Drop the last n tokens (speculative decoding). Only tokens still held can go: the trailing
-        run of consecutive positions (at least the recent window)."""
-        n = min(n, self.length)
-        if n <= 0:
+        """Drop the last n tokens (speculative decoding): as many as every lane holds as its newest run."""
+        n = min([n, self.length] + [lane.trimmable(n, self.offset) for lane in self.lanes or ()])
+        if n <= 0 or self.lanes is None:
             return 0
-        # Positions are ascending per head: the held tail is a consecutive run ending at offset - 1.
-        tail = np.array(self.positions[..., self.length - n : self.length])
-        run = (tail == np.arange(self.offset - n, self.offset)).all(axis=(0, 1))[::-1]
-        n = int(n if run.all() else np.argmin(run))
-        self.store.trim(n)
-        self.length -= n
-        self.offset -= n
+        for lane in self.lanes:
+            lane.store.trim(n)
+        self.length, self.offset = self.length - n, self.offset - n
         return n
-
-    def _payload(self):
-        if self.acc is None:
-            return None
-        n = self.length
-        queries = None if self.q_mean is None else {"mean": self.q_mean, "square": self.q_sq}
-        mult = None if self.mult is None else self.mult[..., :n]
-        return {"rows": self.store.state(), "acc": self.acc[..., :n], "positions": self.positions[..., :n], "queries": queries,
-                "mult": mult}
-
-    def _meta(self):
-        return {"config": self.config.to_json(), "seed": self.seed, "offset": self.offset, "length": self.length,
-                "peak": self.peak, "evictions": self.evictions, "scoreless": self.scoreless, "scale": self.scale,
-                "budget_allocated": self.budget_allocated}
-
-    def _restore(self, payload, meta):
-        self.__init__(H2OConfig.from_json(meta["config"]), meta["seed"])
-        if payload is not None:
-            self.store.load(payload["rows"])
-            self.acc, self.positions = payload["acc"], payload["positions"]
-            self.mult = payload.get("mult")
-            if payload.get("queries") is not None:
-                self.q_mean, self.q_sq = payload["queries"]["mean"], payload["queries"]["square"]
-        self.scale = meta.get("scale")
-        self.budget_allocated = meta.get("budget_allocated", True)
-        self.offset, self.length, self.peak = meta["offset"], meta["length"], meta["peak"]
-        self.evictions, self.scoreless = meta["evictions"], meta["scoreless"]
 
     @classmethod
     def merge(cls, caches):
-        """mlx-lm's BatchGenerator: several sequences' caches of this layer as one batch cache,
-        each sequence still evicted on its own (batch.py)."""
-        from .batch import BatchH2OKVCache
-
+        """mlx-lm's BatchGenerator: several sequences' caches of this layer as one batch cache (batch.py)."""
         return BatchH2OKVCache.merge(caches)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None and self.offset + N > window_size:
-            raise ValueError(
-                "an h2o layer cannot serve a sliding-window mask (its entries differ per layer and head); "
-                "sliding-window layers keep their own cache"
-            )
+            raise ValueError("an h2o layer cannot serve a sliding-window mask (its entries differ per layer and head); "
+                             "sliding-window layers keep their own cache")
         if N == 1:
             return None  # a single query sees every held entry
         self._allocate_budgets(N)
-        if return_array:
-            keep = keep_count(self.config, self.length, self.offset, N)
-            return create_causal_mask(N, self.length if keep is None else keep)
-        return "causal"
+        if not return_array:
+            return "causal"
+        keep, lanes = self.budget.keep_count(self.length, self.offset, N), self.lanes or []
+        if len({(lane.length, lane.archived) for lane in lanes}) > 1 or (keep is not None and len(lanes) > 1):
+            raise ValueError("head_budget='adaptive' keeps different entries per head: no single mask array; use 'causal'")
+        mask = create_causal_mask(N, self.length if keep is None else keep)
+        T = lanes[0].archived if lanes else 0  # the archive's rows come first, older than every query
+        return mx.concatenate([mx.ones((*mask.shape[:-1], T), mask.dtype), mask], axis=-1) if T else mask
 
     # ------------------------------------------------------------------ the layer's calls
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if self._awaiting_scores:
-            self._lost_scores()
+        if self._awaiting_scores and not self.scoreless:
+            warnings.warn(NO_SCORES, RuntimeWarning, stacklevel=2)
+        self.scoreless |= self._awaiting_scores
         B, H, L, _ = keys.shape
-        if self.acc is not None and (B, H) != tuple(self.acc.shape[:2]):
-            raise ValueError(f"keys have batch/heads {(B, H)} but the cache holds {tuple(self.acc.shape[:2])}; reset() it first")
-        if self.acc is None and self.config.kv_bits is not None:
-            for x in (keys, values):
-                check_group_size("kv_group_size", self.config.kv_group_size, x.shape[-1])
+        if self.lanes is None:
+            self.config.storage.check_rows(keys, values, packed=self.config.keeper.evicted_bits is not None)
+            self._start(B, H, (keys.shape[-1], values.shape[-1]), keys.dtype)
+        elif (B, H) != self.shape:
+            raise ValueError(f"keys have batch/heads {(B, H)} but the cache holds {self.shape}; reset() it first")
         self._allocate_budgets(L)
-        keep = keep_count(self.config, self.length, self.offset, L) if self.acc is not None else None
+        keep = self.budget.keep_count(self.length, self.offset, L)
         if keep is not None:
-            self._evict(keep, buffer_capacity(self.config, self.offset, keep + L))
-        out = self._append(keys, values)
-        self.offset += L
-        self.length += L
-        self.peak = max(self.peak, self.length)
-        self._awaiting_scores = True
-        return out
+            self._evict(keep, L)
+        new = {"acc": mx.zeros((L,), mx.float32), "pos": mx.arange(self.offset, self.offset + L, dtype=mx.int32)}
+        new.update({"mult": mx.ones((L,), mx.float32)} if self.config.keeper.merge is not None else {})
+        for lane in self.lanes:
+            capacity = self.budget.buffer_capacity(self.offset, lane.length + L)
+            lane.store.append(lane.rows_of(keys), lane.rows_of(values), capacity, **new)
+        self.offset, self.length = self.offset + L, self.length + L
+        self.peak, self._awaiting_scores = max(self.peak, self.length), True
+        return self.lanes[0].store.fetch() if len(self.lanes) == 1 else (self.lanes, None)
 
-    def _append(self, keys: mx.array, values: mx.array):
-        """Store the new rows after the held ones, with fresh bookkeeping; what update_and_fetch returns."""
-        B, H, L, _ = keys.shape
-        P = self.length
-        if self.acc is None or P + L > self.acc.shape[2]:
-            self._grow(B, H, buffer_capacity(self.config, self.offset, P + L))
-        self.store.append(keys, values, self.acc.shape[2])
-        self.acc[..., P : P + L] = mx.zeros((B, H, L), mx.float32)
-        if self.mult is not None:
-            self.mult[..., P : P + L] = mx.ones((B, H, L), mx.float32)
-        self.positions[..., P : P + L] = mx.broadcast_to(mx.arange(self.offset, self.offset + L, dtype=mx.int32), (B, H, L))
-        return self.store.fetch()
+    def _start(self, B: int, H: int, head_dims, dtype, lanes=None):
+        """The first rows fix the layout (one lane, or one per (batch row, kv head) under per-head
+        budgets) and the archive's share of the budget (keeper.py)."""
+        self.shape, self.head_dims, self.row_dtype = (B, H), tuple(head_dims), dtype
+        self.budget, archive_size = self.config.keeper.split(self.config, self.head_dims, dtype.size)
+        self.lanes = lanes or make_lanes(self.config, self.seed, B, H)
+        for lane in self.lanes:
+            lane.archive_size, lane.row_dtype = archive_size, dtype
 
-    def _evict(self, keep: int, capacity: int):
-        idx, recent = self._plan(keep, capacity)
-        if self.mult is not None and not self.scoreless:
-            self._merge(idx[..., :keep], keep)
-        self._keep(idx, keep, recent, capacity)
-
-    def _plan(self, keep: int, capacity: int):
-        """(indices (B, H, capacity) of the entries to keep, first `keep` ascending, padded; the
-        recent entries protected) from the compiled plan (eviction.eviction_plan)."""
-        n = self.length
-        plan = eviction_plan(self.config, self.scoreless)
-        recent = recent_kept(self.config, self.offset, keep)
-        offset, recent_from = mx.array(self.offset, mx.int32), mx.array(self.offset - recent, mx.int32)
-        content = self._content() if uses_keys(self.config) and not self.scoreless else ()
-        return plan(self.acc[..., :n], self.positions[..., :n], offset, recent_from, keep, capacity, *content), recent
-
-    def _keep(self, idx: mx.array, keep: int, recent: int, capacity: int):
-        """Compact rows and bookkeeping to the entries idx (padded to `capacity`) names."""
-        self.store.gather(idx, keep, recent, capacity)
-        self.acc, self.positions = gather_rows(self.acc, idx), gather_rows(self.positions, idx)
-        if self.mult is not None:
-            self.mult = gather_rows(self.mult, idx)
-        self.length = keep
-        self.evictions += 1
-
-    def _merge(self, kept_idx: mx.array, keep: int):
-        """merge: fold the entries about to be evicted into their most similar kept entries
-        (eviction.merge_evicted), rewriting those rows and their bookkeeping before the gather."""
-        n = self.length
-        kept = (mx.arange(n)[None, None, :, None] == kept_idx[:, :, None, :]).any(axis=-1)
-        keys, values = self.store.read_rows()
-        target, k, v, mult, acc = merge_evicted(keys, values, kept, keep, self.mult[..., :n], self.acc[..., :n], self.config.merge)
-        self.store.write_rows(target, k, v)
-        B, H, C = self.acc.shape
-        flat = (target + (mx.arange(B * H, dtype=target.dtype) * C).reshape(B, H, 1)).reshape(-1)
-        for name, new in (("mult", mult), ("acc", acc)):
-            a = getattr(self, name).reshape(-1)
-            a[flat] = new.reshape(-1)
-            setattr(self, name, a.reshape(B, H, C))
+    def _evict(self, keep: int, L: int):
+        """Keep `keep` entries per head (the scorer's best and the budget's protected); the keeper
+        does what it does with the rest."""
+        capacity, recent = self.budget.buffer_capacity(self.offset, keep + L), self.budget.recent_kept(self.offset, keep)
+        chosen = choose_entries(self.lanes, self.shape, self.budget, self.config.scorer, self.offset, keep, capacity, recent,
+                                self.scoreless, self.scale)
+        for lane, idx, kept in chosen:
+            self.config.keeper.evict(lane, idx, kept, recent, capacity - keep + kept, self.config.scorer.rule, self.offset, self.scoreless)
+        self.length, self.evictions = keep, self.evictions + 1
 
     def _allocate_budgets(self, L: int):
-        """layer_budget="dispersion": when this layer is about to evict for the first time, fix every
-        layer's budget from the entropies seen so far (all layers have seen the same tokens)."""
-        g = self.budget_group
-        if g is not None and not g.allocated and self.acc is not None and keep_count(self.config, self.length, self.offset, L) is not None:
-            g.allocate()
-
-    def _content(self):
-        """What content-aware eviction reads (eviction.eviction_plan): the held keys, dense, and the
-        running query statistics."""
-        keys, _ = self.store.read_rows()
-        if self.q_mean is None:  # no query seen (cannot happen once scores arrived): expected attention is flat
-            B, H, _, D = keys.shape
-            self.q_mean = self.q_sq = mx.zeros((B, H, D), mx.float32)
-        var = mx.maximum(self.q_sq - self.q_mean * self.q_mean, 0.0)
-        return keys, self.q_mean, var, mx.array(self.scale or 1.0, mx.float32)
-
-    def _track_queries(self, queries: mx.array, scale: float):
-        """Fold a call's query rows into the running query mean and mean square (EMA, QUERY_DECAY per row)."""
-        L = queries.shape[2]
-        q = queries.astype(mx.float32)
-        mean, square = q.mean(axis=2), (q * q).mean(axis=2)
-        if self.q_mean is None or self.q_mean.shape != mean.shape:
-            self.q_mean, self.q_sq = mean, square
-        else:
-            d = QUERY_DECAY**L
-            self.q_mean = d * self.q_mean + (1.0 - d) * mean
-            self.q_sq = d * self.q_sq + (1.0 - d) * square
-        self.scale = float(scale)
-
-    def _grow(self, B, H, capacity):
-        def grown(buf, dtype):
-            fresh = mx.zeros((B, H, capacity - (0 if buf is None else self.length)), dtype)
-            return fresh if buf is None else mx.concatenate([buf[:, :, : self.length], fresh], axis=2)
-
-        self.acc = grown(self.acc, mx.float32)
-        self.positions = grown(self.positions, mx.int32)
-        if self.config.merge is not None:
-            self.mult = grown(self.mult, mx.float32)
+        if self.budget_group is not None and self.lanes is not None:
+            self.budget_group.allocate_before_eviction(self.budget.keep_count(self.length, self.offset, L))
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
-        """Attention for this layer, folding the scores into the cache."""
-        dtype = queries.dtype
-        queries = self.store.prepare_queries(queries)  # rotated storage: <R q, R k> = <q, k>
-        if self.config.expected > 0:
-            self._track_queries(queries, scale)
-        out, raw, stats, rows, live = self._attention(queries, keys, values, scale, mask, sinks)
-        if self.budget_group is not None and not self.budget_group.allocated:
-            self.budget_group.observe(self.budget_index, attention_entropy(raw).item())
-        n = stats.shape[-1]
-        self.acc[..., :n] = self.rule.update(self.acc[..., :n], stats, rows, live)
+        """Attention for this layer, each lane's scores folded into its columns."""
+        _check_call(self.lanes, keys, values, mask)
+        self.scale, outs = float(scale), []
+        for lane in self.lanes:
+            out, raw = lane.attend(queries, self.config.scorer, scale=scale, mask=mask, sinks=sinks, kv_heads=self.shape[1])
+            if self.budget_group is not None and not self.budget_group.allocated:
+                self.budget_group.observe(self.budget_index, attention_entropy(raw).item())
+            outs.append(out)
         self._awaiting_scores = False
-        return self.store.restore_output(out, dtype)
+        return join_outputs(outs, self.shape)
 
-    def _attention(self, queries, keys, values, scale, mask, sinks, held=None):
-        """The layer's attention over the held entries (`held` of them; default: length) -> (output,
-        the op's raw scores, per-entry statistic (B, H, N) for the rule, the rows it stands for,
-        mean entries a row attended)."""
-        segments = keys if isinstance(keys, list) else [(keys, values)]
-        N = sum((k.packed if hasattr(k, "packed") else k).shape[2] for k, _ in segments)
-        held = self.length if held is None else held
-        if N != held:
-            raise ValueError(f"attention over {N} keys but the h2o cache holds {held}: keys must come from update_and_fetch")
-        L = queries.shape[2]
+    def _payload(self):  # save and load: caches/base.py's SavedCache
+        return None if self.lanes is None else {"lanes": [lane.state() for lane in self.lanes]}
 
-        if self.mult is not None:
-            mask = _with_log_multiplicity(mask, self.mult[..., :N], queries.shape[1], L)
+    _COUNTERS = ("offset", "length", "peak", "evictions", "scoreless", "scale", "budget_allocated", "shape", "head_dims")
 
-        def op(q, mask, scores):
-            return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)
+    def _meta(self):
+        dtype = None if self.row_dtype is None else str(self.row_dtype).split(".")[-1]
+        return {"config": self.config.to_json(), "seed": self.seed, "row_dtype": dtype, **{k: getattr(self, k) for k in self._COUNTERS}}
 
-        w = self.config.obs_window
-        if w and L > w:
-            # Observation window (SnapKV): score the prompt by what its last w rows attend to, pooled
-            # along positions, as if every row of the call attended that way.
-            out, _ = op(queries, mask, None)
-            _, raw = op(queries[:, :, -w:], _last_rows(mask, w, L), self.rule.op_scores)
-            stats = max_pool(self.rule.stats(raw, self.acc.shape[1], w), self.config.obs_pool)
-            live = N - (w - 1) / 2
-        else:
-            out, raw = op(queries, mask, self.rule.op_scores)
-            stats = self.rule.stats(raw, self.acc.shape[1], L)
-            live = N - (L - 1) / 2  # mean number of entries a row of the call attended (causal)
-        return out, raw, stats, L, live
-
-    def _lost_scores(self):
-        if not self.scoreless:
-            warnings.warn(
-                "h2o: this model computes attention without mlx_lm.models.base.scaled_dot_product_attention "
-                "(or the hook was removed), so the cache gets no attention scores; it keeps sink + recent "
-                "entries instead (a sliding window)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        self.scoreless = True
+    def _restore(self, payload, meta):
+        self.__init__(H2OConfig.from_json(meta["config"]), meta["seed"])
+        if payload is not None:
+            self._start(*meta["shape"], meta["head_dims"], getattr(mx, meta["row_dtype"]))
+            for lane, state in zip(self.lanes, payload["lanes"]):
+                lane.load(state)
+        for k in self._COUNTERS:
+            setattr(self, k, meta[k])
+        self.shape = None if self.shape is None else tuple(self.shape)
 
 
-def _with_log_multiplicity(mask, mult: mx.array, Hq: int, L: int) -> mx.array:
-    """The attention mask plus log(multiplicity) on each entry's logit (merge): an additive
-    (B, Hq, L or 1, N) array."""
-    B, H, N = mult.shape
-    bias = mx.repeat(mx.log(mult), Hq // H, axis=1)[:, :, None, :]  # (B, Hq, 1, N)
-    if mask is None:
-        return bias
-    if isinstance(mask, str):  # "causal": row i sits at N - L + i
-        mask = mx.arange(N)[None, :] <= mx.arange(N - L, N)[:, None]
-    if mask.dtype == mx.bool_:
-        return mx.where(mask, bias, -mx.inf)
-    return mask + bias
-
-
-def _last_rows(mask, w: int, L: int):
-    if mask is None or isinstance(mask, str):
-        return mask  # "causal" puts row i at N - rows + i: right for the last w rows too
-    if mask.ndim >= 2 and mask.shape[-2] == L:
-        return mask[..., -w:, :]
-    return mask
+def _check_call(lanes, keys, values, mask):
+    """An attention call must bring what update_and_fetch returned (every entry held) and, for heads
+    of different lengths, a mask that fits them all (None or 'causal')."""
+    if len(lanes) > 1:
+        if isinstance(mask, mx.array) and len({lane.length for lane in lanes}) > 1:
+            raise ValueError("head_budget='adaptive' attends each head over its own entries: the mask must be None or 'causal'")
+        return
+    N = sum((k.packed if hasattr(k, "packed") else k).shape[2] for k, _ in (keys if isinstance(keys, list) else [(keys, values)]))
+    if N != lanes[0].length:
+        raise ValueError(f"attention over {N} keys but the h2o cache holds {lanes[0].length}: keys must come from update_and_fetch")

@@ -1,27 +1,33 @@
-"""The "h2o" policy: one h2o cache per layer, with the budget spread over layers as
-`layer_budget` says (budgets.py) and per-head budgets in `AdaptiveHeadsKVCache` (adaptive.py)."""
+"""The "h2o" policy: one h2o cache per layer, with the budget spread over layers as `layer_budget`
+says (spread.py)."""
 
 from ...options import Policy
 from .. import per_layer_caches, register_policy
-from .adaptive import AdaptiveHeadsKVCache
-from .archive import ArchiveKVCache
-from .budgets import LayerBudgetGroup, layer_budgets, layer_config, pyramid_weights
 from .cache import H2OKVCache
 from .options import OPTIONS, H2OConfig
+from .spread import LayerBudgetGroup, layer_budgets, pyramid_weights
+
+
+class AdaptiveHeadsKVCache(H2OKVCache):
+    """mlx-h2o 0.2.0's class for head_budget='adaptive' (now a part of H2OKVCache): named so that a
+    prompt cache saved by 0.2.0 fails to load with a message naming that release."""
+
+
+class ArchiveKVCache(H2OKVCache):
+    """mlx-h2o 0.2.0's class for evicted_bits (now a part of H2OKVCache); see AdaptiveHeadsKVCache."""
 
 
 def _h2o_caches(model, **options):
     """An h2o cache on every plain KVCache layer (sliding-window and other special layers keep the
     model's own cache); layer i's rotation is seeded with i."""
     config = H2OConfig.build(**options)
-    cls = AdaptiveHeadsKVCache if config.head_budget == "adaptive" else ArchiveKVCache if config.evicted_bits else H2OKVCache
-    caches = per_layer_caches(model, lambda i: cls(config, seed=i))
+    caches = per_layer_caches(model, lambda i: H2OKVCache(config, seed=i))
     layers = [c for c in caches if isinstance(c, H2OKVCache)]
-    if config.layer_budget == "pyramid":
-        for c, m in zip(layers, layer_budgets(config, pyramid_weights(len(layers)))):
-            c.config = layer_config(config, m)
-    elif config.layer_budget == "dispersion":
-        group = LayerBudgetGroup(config)
+    if config.budget.layer_budget == "pyramid":
+        for c, m in zip(layers, layer_budgets(config.budget, pyramid_weights(len(layers)))):
+            c.set_layer_budget(m)
+    elif config.budget.layer_budget == "dispersion":
+        group = LayerBudgetGroup(config.budget)
         for c in layers:
             c.budget_group, c.budget_index = group, group.add(c)
     return caches

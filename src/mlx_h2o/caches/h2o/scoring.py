@@ -132,22 +132,3 @@ def make_rule(name: str, decay: Optional[float] = None) -> ScoreRule:
             raise ValueError(f"decay must be a number in [0, 1), got {decay!r}")
         decay = float(decay)
     return cls(decay)
-
-
-def max_pool(x: mx.array, width: int) -> mx.array:
-    """Max over a centred window of `width` entries along the last axis (SnapKV's pooling: an entry
-    next to a strongly attended one is kept with it, so multi-token facts survive whole)."""
-    if width <= 1:
-        return x
-    left = (width - 1) // 2
-    right = width - 1 - left
-    N = x.shape[-1]
-    pad_shape = list(x.shape)
-    padded = mx.concatenate(
-        [mx.full(pad_shape[:-1] + [left], -mx.inf, x.dtype), x, mx.full(pad_shape[:-1] + [right], -mx.inf, x.dtype)],
-        axis=-1,
-    )
-    out = padded[..., 0:N]
-    for k in range(1, width):
-        out = mx.maximum(out, padded[..., k : k + N])
-    return out

@@ -11,33 +11,24 @@ comparison is at the same memory.
   from all kv heads by priority, so a head whose attention is concentrated on few entries yields
   slots to a head that spreads it; each head keeps at least ADAKV_FLOOR of the uniform share (Ada-KV's
   safeguard). Priorities of the `normalised` rule are comparable across heads (uniform attention
-  scores G in every head). Heads then hold different numbers of entries: see cache.py for the layout.
+  scores G in every head). Heads then hold different numbers of entries: each is a lane of its own
+(lane.py).
 
 In every case the recent window keeps its size (the newest tokens matter most); only the heavy part
 grows or shrinks.
 """
 
-from dataclasses import replace
 from typing import List, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from .options import H2OConfig
+from .budget import Budget
 
 PYRAMID_SLOPE = 0.5
 MIN_LAYER_FRACTION = 0.25  # no layer gets less than this share of M
 ADAKV_FLOOR = 0.2
 FLOOR_KEY = 3.0e38  # ranks a head's floor entries above every priority, below protected ones (inf)
-
-
-def layer_config(config: H2OConfig, budget: int) -> H2OConfig:
-    """`config` with M = `budget` for one layer: the recent window keeps its size while the budget
-    allows, the heavy part takes the rest."""
-    budget = max(int(budget), config.sink + 1)
-    heavy = max(budget - config.sink - config.recent, 0)
-    recent = budget - config.sink - heavy
-    return replace(config, max_kv_size=budget, heavy=heavy, recent=recent, evict_every=min(config.evict_every, budget - config.sink))
 
 
 def split_total(total: int, weights: Sequence[float], floor: int) -> List[int]:
@@ -61,10 +52,10 @@ def pyramid_weights(n_layers: int) -> List[float]:
     return [1.0 + PYRAMID_SLOPE * (1.0 - 2.0 * i / (n_layers - 1)) for i in range(n_layers)]
 
 
-def layer_budgets(config: H2OConfig, weights: Sequence[float]) -> List[int]:
+def layer_budgets(budget: Budget, weights: Sequence[float]) -> List[int]:
     """Per-layer M at the uniform total (len(weights) x M), by `weights`, each >= the floor."""
-    M = config.max_kv_size
-    floor = max(int(MIN_LAYER_FRACTION * M), config.sink + 1)
+    M = budget.max_kv_size
+    floor = max(int(MIN_LAYER_FRACTION * M), budget.sink + 1)
     floor = min(floor, M)
     n = len(weights)
     # Weights above the floor: scale so the budgets, not just the spare, follow the weights.
@@ -84,8 +75,8 @@ class LayerBudgetGroup:
     """The h2o caches of one model under `layer_budget="dispersion"`: they report their attention
     entropy until the first of them fills, then `allocate` fixes every layer's budget at once."""
 
-    def __init__(self, config: H2OConfig):
-        self.config = config
+    def __init__(self, budget: Budget):
+        self.budget = budget
         self.caches = []
         self.entropy: List[float] = []
         self.calls: List[int] = []
@@ -101,11 +92,17 @@ class LayerBudgetGroup:
         self.entropy[index] += entropy
         self.calls[index] += 1
 
+    def allocate_before_eviction(self, keep) -> None:
+        """Called by a cache before it appends rows (`keep`: its planned eviction, or None): when the
+        first layer is about to evict, fix every layer's budget from the entropies seen so far (all
+        layers have seen the same tokens)."""
+        if keep is not None and not self.allocated:
+            self.allocate()
+
     def allocate(self) -> None:
         weights = [e / max(c, 1) for e, c in zip(self.entropy, self.calls)]
-        for cache, budget in zip(self.caches, layer_budgets(self.config, weights)):
-            cache.config = layer_config(self.config, budget)
-            cache.budget_allocated = True
+        for cache, m in zip(self.caches, layer_budgets(self.budget, weights)):
+            cache.set_layer_budget(m)
         self.allocated = True
 
 
@@ -128,3 +125,18 @@ def adaptive_head_selection(priority: mx.array, protected: mx.array, valid: mx.a
     rows = mx.broadcast_to(mx.arange(B)[:, None], chosen.shape)
     mask[rows.reshape(-1), chosen.reshape(-1)] = True
     return mask.reshape(B, H, C)
+
+
+def adaptive_lane_selection(lanes, shape, priorities, protected, keep: int, heavy: int):
+    """[(lane, indices (1, 1, n) of its entries to keep, n)] for per-head lanes (one per (batch row,
+    kv head), b-major): one budget of H x keep per batch row shared by priority
+    (adaptive_head_selection). priorities, protected: per lane, (1, 1, lane length)."""
+    C = max(lane.length for lane in lanes)
+
+    def padded(xs, fill):
+        return mx.concatenate([mx.pad(x, [(0, 0), (0, 0), (0, C - x.shape[-1])], constant_values=fill) for x in xs], axis=1).reshape(*shape, C)
+
+    valid = padded([mx.ones((1, 1, lane.length), mx.int32) for lane in lanes], 0).astype(mx.bool_)
+    guard = padded([p.astype(mx.int32) for p in protected], 0).astype(mx.bool_)
+    kept = np.array(adaptive_head_selection(padded(priorities, 0.0), guard, valid, shape[1] * keep, heavy)).reshape(-1, C)
+    return [(lane, mx.array(np.nonzero(row)[0].astype(np.int32))[None, None], int(row.sum())) for lane, row in zip(lanes, kept)]

@@ -1,0 +1,158 @@
+"""The budget of an h2o cache: how many entries it keeps, which of them are protected, and when it
+evicts. All of it is a function of the entries held (`length`), the tokens processed (`offset`) and
+the tokens about to be appended (`L`), so `make_mask` plans exactly the eviction `update_and_fetch`
+carries out. How M is spread over layers and heads is in spread.py."""
+
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from ...options import REQUIRED, Choice, Custom, Int, check_int, option
+from ...storage import grown_capacity
+
+SPLITS = ("heavy", "balanced", "recent", "explicit")
+# Fraction of M given to heavy hitters by each preset; the rest after the sinks is the recent window.
+SPLIT_HEAVY_FRACTION = {"heavy": 1 / 2, "balanced": 1 / 4, "recent": 1 / 8}
+# Default evict_every = M // 16: a compaction (~0.2 ms a layer on the CPU, most of it fixed cost) once per
+# M/16 tokens instead of every token, for ~3 % fewer entries held on average (docs/h2o.md, "eviction").
+DEFAULT_EVICT_DIVISOR = 16
+
+
+def _parse_spans(name, text: str):
+    """"0:40;100:120" (or space-separated) -> [(0, 40), (100, 120)]."""
+    try:
+        return [tuple(int(x) for x in part.split(":")) for part in text.replace(";", " ").split()]
+    except ValueError:
+        raise ValueError(f"{name} must be START:END spans separated by ';', got {text!r}") from None
+
+
+def _check_spans(name, pin) -> Tuple[Tuple[int, int], ...]:
+    """Pinned spans as sorted, merged, half-open (start, end) token ranges."""
+    if isinstance(pin, str):
+        pin = _parse_spans(name, pin)
+    spans = []
+    for span in pin:
+        ok = isinstance(span, (tuple, list)) and len(span) == 2 and all(not isinstance(v, bool) and isinstance(v, int) for v in span)
+        if not ok or not 0 <= span[0] < span[1]:
+            raise ValueError(f"{name} must be (start, end) token ranges with 0 <= start < end, got {span!r}")
+        spans.append((int(span[0]), int(span[1])))
+    merged = []
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return tuple(merged)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many entries a layer keeps per kv head, and which are protected.
+
+    Parameters
+    ----------
+    max_kv_size, split, sink, heavy, recent:
+        M = sink + heavy + recent entries: the first tokens, the highest priorities, the newest tokens.
+    select:
+        one set of entries per kv head, or one per layer (priorities summed over heads).
+    evict_every:
+        compact once per N tokens, down to M - N (never more than M held).
+    layer_budget, head_budget:
+        how M is spread over layers and over the kv heads of a layer (spread.py).
+    pin:
+        token ranges never evicted, outside M.
+    """
+
+    max_kv_size: int = option(Int(1), REQUIRED, "KV budget M per kv head: sink + heavy + recent entries")
+    split: str = option(Choice(SPLITS), "heavy",
+                        "budget split: `heavy` (heavy hitters M/2), `balanced` (M/4), `recent` (M/8), `explicit` (give heavy and recent)")
+    sink: int = option(Int(0), 4, "first tokens always kept")
+    heavy: Optional[int] = option(Int(0), None, "heavy-hitter entries (with split=explicit)")
+    recent: Optional[int] = option(Int(0), None, "recent-window entries (with split=explicit)")
+    select: str = option(Choice(("head", "layer")), "head", "keep one set of entries per kv head, or one per layer")
+    evict_every: Optional[int] = option(
+        Int(1), None, "evict N entries at a time, down to M - N: one compaction per N tokens, never more than M held (unset: M // 16)")
+    layer_budget: str = option(
+        Choice(("uniform", "pyramid", "dispersion")), "uniform",
+        "M per layer at the same total: `uniform`, `pyramid` (1.5 M at the first layer to 0.5 M at the last; PyramidKV), "
+        "`dispersion` (by the attention entropy each layer showed until the cache first filled; CAKE)")
+    head_budget: str = option(
+        Choice(("uniform", "adaptive")), "uniform",
+        "heavy entries per kv head: `uniform` (the same per head) or `adaptive` (one budget per layer, shared by its heads by priority; Ada-KV)")
+    pin: Tuple[Tuple[int, int], ...] = option(Custom(_check_spans, _parse_spans, "spans `S:E;S:E`"), None,
+                                             "token ranges never evicted (outside the budget)")
+
+    @classmethod
+    def from_options(cls, max_kv_size, split, sink, heavy, recent, evict_every, pin, **rest) -> "Budget":
+        """Resolve what the options leave open: heavy and recent from `split`, evict_every from M."""
+        M = max_kv_size
+        sink = check_int("sink", sink, 0, M - 1)
+        if split == "explicit":
+            if heavy is None or recent is None:
+                raise ValueError("split='explicit' needs heavy and recent (sink defaults to 4), with sink + heavy + recent = max_kv_size")
+        elif heavy is not None or recent is not None:
+            raise ValueError(f"heavy and recent are set by split={split!r}; give split='explicit' to choose them")
+        else:
+            heavy = min(int(M * SPLIT_HEAVY_FRACTION[split]), M - sink)
+            recent = M - sink - heavy
+        if evict_every is None:
+            evict_every = min(max(M // DEFAULT_EVICT_DIVISOR, 1), M - sink)
+        return cls(M, split, sink, heavy, recent, evict_every=evict_every, pin=pin or (), **rest)
+
+    def __post_init__(self):
+        M = self.max_kv_size
+        if self.sink + self.heavy + self.recent != M:
+            raise ValueError(f"sink + heavy + recent must equal max_kv_size={M}, got {self.sink} + {self.heavy} + {self.recent}")
+        # An eviction keeps at least the sink entries of the old context: M - evict_every >= sink.
+        check_int("evict_every", self.evict_every, 1, M - self.sink)
+        if self.head_budget == "adaptive" and self.select == "layer":
+            raise ValueError("head_budget='adaptive' gives each kv head its own entries; select='layer' keeps one set for all")
+
+    def check(self, config) -> None:
+        if self.layer_budget == "dispersion" and config.scorer.rule.op_scores != "mass":
+            raise ValueError(f"layer_budget='dispersion' measures attention mass; score={config.scorer.score!r} sees logits")
+
+    def for_layer(self, budget: int) -> "Budget":
+        """This budget with M = `budget` for one layer: the recent window keeps its size while the
+        budget allows, the heavy part takes the rest."""
+        budget = max(int(budget), self.sink + 1)
+        heavy = max(budget - self.sink - self.recent, 0)
+        return replace(self, max_kv_size=budget, heavy=heavy, recent=budget - self.sink - heavy,
+                       evict_every=min(self.evict_every, budget - self.sink))
+
+    # ------------------------------------------------------------------ when and how many
+    def keep_count(self, length: int, offset: int, L: int) -> Optional[int]:
+        """Entries of the current layout to keep before appending L tokens, or None for no eviction.
+        The cache fills up to M entries (plus pinned ones); the token that would pass M triggers one
+        compaction down to M - evict_every, so decode compacts once per `evict_every` tokens and never
+        holds more than M. A call of L > 1 tokens (a prefill chunk) is appended whole after it."""
+        pinned = self.pinned_before(offset)
+        if length + L <= self.max_kv_size + pinned:
+            return None
+        keep = min(length - pinned, self.max_kv_size - self.evict_every) + pinned
+        return keep if keep < length else None
+
+    def recent_kept(self, offset: int, keep: int) -> int:
+        """Entries of the recent window an eviction to `keep` protects (the new tokens complete it);
+        they are the newest entries, the tail of the layout. The one statement of the window."""
+        return max(keep - self.pinned_before(offset) - self.sink - self.heavy, 0)
+
+    def buffer_capacity(self, offset: int, needed: int) -> int:
+        """Rows to allocate for `needed` entries: the steady-state size (M + pinned) once reached,
+        storage growth steps below it, exactly `needed` above it (a prefill chunk)."""
+        steady = self.max_kv_size + self.pinned_before(offset + 1)
+        return needed if needed > steady else min(steady, grown_capacity(needed))
+
+    # ------------------------------------------------------------------ which
+    def protected(self, positions: mx.array, recent_from) -> mx.array:
+        """Entries every eviction keeps: the sink, the recent window (positions >= recent_from) and
+        the pinned spans."""
+        mask = (positions < self.sink) | (positions >= recent_from)
+        for s, e in self.pin:
+            mask = mask | ((positions >= s) & (positions < e))
+        return mask
+
+    def pinned_before(self, offset: int) -> int:
+        """How many pinned positions lie in [0, offset)."""
+        return sum(max(0, min(e, offset) - s) for s, e in self.pin)

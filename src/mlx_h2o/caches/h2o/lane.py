@@ -1,0 +1,172 @@
+"""`Lane`: the entries that share one layout in an h2o layer.
+
+With a uniform head budget every kv head of the layer holds the same number of entries, so the
+whole layer is one lane: (B, H, n) rows, one fused attention call, one vectorised eviction. With
+per-head budgets (`head_budget="adaptive"`) heads hold different numbers of entries, and each
+(batch row, kv head) is a lane of its own: nothing is padded, and attention runs once per lane with
+that head's query group (the price: B x H kernel calls per layer). Every part of the cache (scorer,
+keeper, storage) works on a lane, so per-head budgets combine with all of them.
+
+A lane holds its rows with their per-entry columns (score accumulator, position, and multiplicity
+when the keeper merges), the archive of evicted entries when the keeper keeps one, and the running
+query statistics of its heads (expected attention).
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ...attention import attention_with_scores
+from ...storage import ColumnedKV, KVStorage, KVStore
+
+# Per query row, the weight the running query statistics keep (about the last 20 rows): recent
+# queries, whose RoPE phases are close to the next ones'.
+QUERY_DECAY = 0.95
+
+
+class Lane:
+    """Rows `batch` x kv heads `heads` of a layer (slices), their storage and archive."""
+
+    def __init__(self, store: ColumnedKV, archive: Optional[ColumnedKV], batch: slice = slice(None), heads: Optional[slice] = None):
+        self.store, self.archive = store, archive
+        self.batch, self.heads = batch, heads  # heads None: every kv head (and batch row) of the layer
+        self.q_mean = self.q_sq = None  # (B, Hq, D) running mean and mean square of the stored-space queries
+        self.archive_size, self.row_dtype = 0, None  # the archive's entries at most; the dtype rows enter it in
+
+    @property
+    def length(self) -> int:
+        return self.store.length
+
+    @property
+    def archived(self) -> int:
+        return 0 if self.archive is None else self.archive.length
+
+    def query_heads(self, Hq: int, kv_heads: int) -> slice:
+        """This lane's query heads among the layer's Hq (each kv head serves Hq / kv_heads of them)."""
+        if self.heads is None:
+            return slice(None)
+        G = Hq // kv_heads
+        return slice(self.heads.start * G, self.heads.stop * G)
+
+    def queries_of(self, x: mx.array, kv_heads: int) -> mx.array:
+        """This lane's rows and query heads of a (B, Hq, ...) array of the layer's."""
+        return x if self.heads is None else x[self.batch, self.query_heads(x.shape[1], kv_heads)]
+
+    def rows_of(self, x: mx.array) -> mx.array:
+        """This lane's rows and kv heads of a (B, H, ...) array of the layer's."""
+        return x if self.heads is None else x[self.batch, self.heads]
+
+    def segments(self) -> list:
+        """What attention reads: the archive's rows (older than every query), then the lane's."""
+        return (self.archive.segments() if self.archive is not None else []) + self.store.segments()
+
+    def nbytes(self) -> int:
+        return self.store.nbytes() + (self.archive.nbytes() if self.archive is not None else 0)
+
+    def attend(self, queries: mx.array, scorer, *, scale, mask, sinks, kv_heads: int):
+        """This lane's attention over its archive and rows for its share of the layer's queries
+        (B, Hq, L, D) and sinks (the layer has `kv_heads`), folding the scores into the score column:
+        (output in the model's space and dtype, the op's raw scores)."""
+        store, T = self.store, self.archived
+        q = store.prepare_queries(self.queries_of(queries, kv_heads))  # rotated storage: <R q, R k> = <q, k>
+        if scorer.expected > 0:
+            self.track_queries(q)
+        if sinks is not None:
+            sinks = sinks[self.query_heads(sinks.shape[0], kv_heads)]
+        if "mult" in store.dtypes:
+            mask = _with_log_multiplicity(mask, store.column("mult"), q.shape[1], q.shape[2])
+        segments = self.segments()
+
+        def op(q, mask, scores):
+            return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)
+
+        out, raw, stats, rows, live = scorer.observe(op, q, mask, kv_heads if self.heads is None else 1, T + self.length)
+        if T:
+            self.archive.set_column("acc", scorer.rule.update(self.archive.column("acc"), stats[..., :T], rows, live))
+        store.set_column("acc", scorer.rule.update(store.column("acc"), stats[..., T:], rows, live))
+        return store.restore_output(out, queries.dtype), raw
+
+    def trimmable(self, n: int, offset: int) -> int:
+        """How many of the newest n tokens this lane can forget: its trailing run of consecutive
+        positions ending at offset - 1."""
+        n = min(n, self.length)
+        tail = np.array(self.store.column("pos")[..., self.length - n :])
+        run = (tail == np.arange(offset - n, offset)).all(axis=(0, 1))[::-1]
+        return int(n if run.all() else np.argmin(run))
+
+    def track_queries(self, queries: mx.array) -> None:
+        """Fold a call's query rows (stored space) into the running mean and mean square (EMA,
+        QUERY_DECAY per row)."""
+        L = queries.shape[2]
+        q = queries.astype(mx.float32)
+        mean, square = q.mean(axis=2), (q * q).mean(axis=2)
+        if self.q_mean is None or self.q_mean.shape != mean.shape:
+            self.q_mean, self.q_sq = mean, square
+        else:
+            d = QUERY_DECAY**L
+            self.q_mean = d * self.q_mean + (1.0 - d) * mean
+            self.q_sq = d * self.q_sq + (1.0 - d) * square
+
+    def content(self, scale: Optional[float]):
+        """What content-aware priorities read (Scorer.priority): the held keys, dense, the running
+        query mean and variance, and the attention scale."""
+        keys, _ = self.store.read_rows()
+        if self.q_mean is None:  # no query seen (cannot happen once scores arrived): expected attention is flat
+            B, H, _, D = keys.shape
+            self.q_mean = self.q_sq = mx.zeros((B, H, D), mx.float32)
+        var = mx.maximum(self.q_sq - self.q_mean * self.q_mean, 0.0)
+        return keys, self.q_mean, var, mx.array(scale or 1.0, mx.float32)
+
+    def state(self):
+        queries = None if self.q_mean is None else {"mean": self.q_mean, "square": self.q_sq}
+        archive = None if self.archive is None else self.archive.state()
+        return {"rows": self.store.state(), "archive": archive, "queries": queries}
+
+    def load(self, state) -> None:
+        self.store.load(state["rows"])
+        if self.archive is not None:
+            self.archive.load(state["archive"])
+        if state.get("queries") is not None:
+            self.q_mean, self.q_sq = state["queries"]["mean"], state["queries"]["square"]
+
+
+def make_lanes(config, seed: int, B: int, H: int):
+    """A layer's lanes: one for all its heads, or one per (batch row, kv head) under per-head budgets."""
+    where = [(slice(None), None)] if config.budget.head_budget != "adaptive" else \
+        [(slice(b, b + 1), slice(h, h + 1)) for b in range(B) for h in range(H)]
+    fmt = config.keeper.archive_format
+    return [Lane(entry_store(config.storage.make(config.budget.recent, seed), config.keeper.merge is not None),
+                 None if fmt is None else archive_store(fmt, config.storage.kv_group_size), *w) for w in where]
+
+
+def join_outputs(outs, shape):
+    """The layer's attention output (B, Hq, L, D) from its lanes' (b-major, as make_lanes orders them)."""
+    if len(outs) == 1:
+        return outs[0]
+    B, H = shape
+    return mx.concatenate([mx.concatenate(outs[b * H : (b + 1) * H], axis=1) for b in range(B)])
+
+
+def archive_store(bits, group_size: int) -> ColumnedKV:
+    """The archive of evicted entries: rows at `bits` with their score and position."""
+    return ColumnedKV(KVStore(bits, group_size), {"acc": mx.float32, "pos": mx.int32})
+
+
+def entry_store(rows: KVStorage, merges: bool) -> ColumnedKV:
+    """A lane's rows with their score accumulator, position, and multiplicity when entries merge."""
+    return ColumnedKV(rows, {"acc": mx.float32, "pos": mx.int32, **({"mult": mx.float32} if merges else {})})
+
+
+def _with_log_multiplicity(mask, mult: mx.array, Hq: int, L: int) -> mx.array:
+    """The attention mask plus log(multiplicity) on each entry's logit (merge): an additive
+    (B, Hq, L or 1, N) array."""
+    B, H, N = mult.shape
+    bias = mx.repeat(mx.log(mult), Hq // H, axis=1)[:, :, None, :]  # (B, Hq, 1, N)
+    if mask is None:
+        return bias
+    if isinstance(mask, str):  # "causal": row i sits at N - L + i
+        mask = mx.arange(N)[None, :] <= mx.arange(N - L, N)[:, None]
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, bias, -mx.inf)
+    return mask + bias

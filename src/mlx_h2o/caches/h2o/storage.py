@@ -1,0 +1,84 @@
+"""The storage of an h2o cache: the format its K/V rows are kept in (mlx_h2o.storage does the work)."""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ...options import Choice, Flag, option
+from ...storage import DEFAULT_LAMBDA, LAMBDA_MODES, KVStorage, RotatedKV, check_group_size, make_kv_storage, role_bits
+
+# Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype;
+# "k8v4" = 8-bit keys with 4-bit values (keys are the sensitive half), "k4v8" the reverse.
+# "mixed" = 4/8: the newest rows take most of the attention, and a row is converted once, downwards,
+# when it leaves the window.
+KV_BITS = ("8", "4", "8/4", "4/8", "8/fp", "4/fp", "k8v4", "k4v8", "k8v4/8", "k8v4/fp")
+KV_BITS_ALIASES = (("mixed", "4/8"), (8, "8"), (4, "4"))
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def tier_bits(tier: str):
+    """"fp" -> None, "8" -> 8, "k8v4" -> (8, 4): a storage format (storage/kv.py)."""
+    if tier == "fp":
+        return None
+    if tier.startswith("k"):
+        k, _, v = tier[1:].partition("v")
+        return int(k), int(v)
+    return int(tier)
+
+
+def row_bytes(bits, head_dim_k: int, head_dim_v: int, group_size: int, itemsize: int) -> int:
+    """Bytes of one (kv head, token) entry: K and V rows in format `bits` (storage/kv.py)."""
+
+    def one(b, d):
+        if b is None:
+            return d * itemsize
+        return d * b // 8 + (d // group_size) * 2 * itemsize  # packed words + scale and bias per group
+
+    k_bits, v_bits = role_bits(bits)
+    return one(k_bits, head_dim_k) + one(v_bits, head_dim_v)
+
+
+@dataclass(frozen=True)
+class Storage:
+    """The format of the K/V rows an h2o cache keeps.
+
+    Parameters
+    ----------
+    kv_bits:
+        packed bits of the rows, or OLDER/RECENT tiers (the recent window at its own bits).
+    kv_group_size:
+        values sharing one scale and bias when packed.
+    rotate, rotate_lam:
+        rotate K/V before packing, with an optional per-coordinate scale (storage/rotation.py).
+    """
+
+    kv_bits: Optional[str] = option(
+        Choice(KV_BITS, KV_BITS_ALIASES), None,
+        "store K/V packed: 8, 4, `k8v4` (8-bit keys, 4-bit values), or OLDER/RECENT formats (`fp` = model dtype; `mixed` = 4/8); unset: model dtype")
+    kv_group_size: int = option(Choice(KV_GROUP_SIZES), 32, "values sharing one scale and bias when packed")
+    rotate: bool = option(Flag(), False, "rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality")
+    rotate_lam: str = option(Choice(LAMBDA_MODES, ((None, "none"),)), DEFAULT_LAMBDA, "per-coordinate scale of the rotation")
+
+    @property
+    def single_format(self) -> bool:
+        """One format for every row (no older/recent tiers)."""
+        return self.kv_bits is None or "/" not in self.kv_bits
+
+    def tiers(self) -> Tuple[Optional[int], Optional[int]]:
+        """(format of the older rows, format of the recent window); None = the model's dtype."""
+        if self.kv_bits is None:
+            return None, None
+        older, _, recent = self.kv_bits.partition("/")
+        return tier_bits(older), tier_bits(recent or older)
+
+    def make(self, window: int, seed: int) -> KVStorage:
+        """Rows as configured: one format or older/recent tiers (the newest `window` rows recent),
+        rotated (seeded) or not."""
+        older, recent = self.tiers()
+        store = make_kv_storage(older, recent, window, self.kv_group_size)
+        return RotatedKV(store, seed, self.rotate_lam) if self.rotate else store
+
+    def check_rows(self, keys, values, packed: bool = False) -> None:
+        """Packed rows (kv_bits, or `packed`: an archive) need a group size that divides the head dimension."""
+        if self.kv_bits is not None or packed:
+            for x in (keys, values):
+                check_group_size("kv_group_size", self.kv_group_size, x.shape[-1])
