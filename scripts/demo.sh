@@ -9,5 +9,5 @@ echo "demo: setting up (the evaluation text, then build/venv-stock)"
 py="$(./scripts/venv.sh stock)"
 mkdir -p results
 echo "demo: mlx-h2o eval (about 5 min on 2 cores)"
-"$py" -m mlx_h2o eval --cache full rotating h2o --max-kv-size 128 256 --seq-len 512 --samples 4 \
+"$py" -m mlx_h2o eval --kv-policy full rotating h2o --max-kv-size 128 256 --seq-len 512 --samples 4 \
   --json results/demo.json --plot results/demo.png "$@"

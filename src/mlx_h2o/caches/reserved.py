@@ -55,8 +55,8 @@ class ReservedKVCache(SavedCache):
                 f"the cache is full: {self.offset} tokens + {keys.shape[2]} new > max_context={self.max_context}; "
                 "make the cache with a larger max_context"
             )
-        self._keys.append(keys)
-        self._values.append(values)
+        self._keys.write(self._keys.length, keys)
+        self._values.write(self._values.length, values)
         return self.keys, self.values
 
     # The rest of KVCache's protocol reads only `offset`, `keys` and `values`, which mean the same

@@ -3,13 +3,14 @@
 A policy spec is `name` or `name:key=value,key=value` (e.g. `rotating:max_kv_size=128`,
 `h2o:max_kv_size=256,score=ema`), values parsed by the policy's option table. Bounded policies
 (those with a `max_kv_size` option) are expanded over every size in `max_kv_sizes` unless the spec
-fixes one.
+fixes one. Options shared by several policies (`--kv-option KEY=VALUE`) reach every listed policy that
+has the option, below the spec's own.
 """
 
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -35,20 +36,43 @@ class PolicySpec:
         return f"{self.policy}({opts})"
 
 
-def parse_specs(specs: Sequence[str], max_kv_sizes: Sequence[int] = ()) -> List[PolicySpec]:
-    out = []
+def parse_specs(specs: Sequence[str], max_kv_sizes: Sequence[int] = (), options: Optional[Mapping[str, str]] = None) -> List[PolicySpec]:
+    """`specs` as PolicySpecs. `options` ({key: text}, e.g. from --kv-option KEY=VALUE) go to every
+    listed policy that has the option, unless its spec sets it; a key no listed policy has is a
+    ValueError naming the policies and their options."""
+    parsed = []
     for spec in specs:
         name, _, rest = spec.partition(":")
         if name not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r} (in {spec!r})")
         policy = POLICIES[name]
-        options = policy.parse_options(parse_key_values(list(filter(None, rest.split(","))), "policy option"))
-        if policy.bounded and "max_kv_size" not in options:
+        parsed.append((policy, policy.parse_options(parse_key_values(list(filter(None, rest.split(","))), "policy option"))))
+    shared = dict(options or {})
+    for key in shared:
+        if not any(o.name == key for policy, _ in parsed for o in policy.options):
+            listed = "; ".join(f"{p.name}: {', '.join(o.name for o in p.options) or 'no options'}" for p in {p.name: p for p, _ in parsed}.values())
+            raise ValueError(f"option {key!r} is not an option of any listed policy ({listed}); "
+                             "`mlx-h2o options NAME` prints a policy's options")
+    out = []
+    for policy, own in parsed:
+        name = policy.name
+        given = {}
+        for key, text in shared.items():
+            if key in own or not any(o.name == key for o in policy.options):
+                continue
+            try:
+                given[key] = policy.option(key).parse(text)
+            except ValueError as e:
+                raise ValueError(f"option {key}={text} of policy {name!r}: {e}") from None
+        opts = {**given, **own}
+        if given and "max_kv_size" in opts:
+            opts = {"max_kv_size": opts["max_kv_size"], **opts}  # the budget first, as in the labels
+        if policy.bounded and "max_kv_size" not in opts:
             if not max_kv_sizes:
-                raise ValueError(f"policy {name!r} needs a budget: give --max-kv-size or {name}:max_kv_size=M")
-            out += [PolicySpec(name, {"max_kv_size": m, **options}) for m in max_kv_sizes]
+                raise ValueError(f"policy {name!r} needs a budget: give --max-kv-size, --kv-option max_kv_size=M or {name}:max_kv_size=M")
+            out += [PolicySpec(name, {"max_kv_size": m, **opts}) for m in max_kv_sizes]
         else:
-            out.append(PolicySpec(name, options))
+            out.append(PolicySpec(name, opts))
     return out
 
 

@@ -8,7 +8,8 @@ never donates an array that wraps foreign memory). `truncate` gives the pages pa
 prefix back to the OS where the platform allows (`release_pages`).
 
 The class is the storage under `ReservedKVCache` and is meant to be reusable under other caches
-(one buffer per stored tensor: keys, values, packed codes, scales).
+(one buffer per stored tensor: keys, values, packed codes, scales). It is one tensor's buffer, not a
+K/V storage (storage/kv.py): it writes at a position and truncates, and names its calls so.
 """
 
 from math import gcd
@@ -57,7 +58,7 @@ class ReservedBuffer:
         return None if self._data is None else self._data.dtype
 
     @property
-    def nbytes(self) -> int:
+    def live_nbytes(self) -> int:
         """Bytes of the live positions (what is stored, not what is reserved)."""
         if self._data is None:
             return 0
@@ -100,9 +101,6 @@ class ReservedBuffer:
             # A slice_update: MLX donates the reservation and writes the L rows into it in place.
             self._data[..., start : start + L, :] = x
         self.length = start + L
-
-    def append(self, x: mx.array):
-        self.write(self.length, x)
 
     def view(self):
         """The live prefix (B, H, length, D), a view of the reservation (None before the first write)."""
