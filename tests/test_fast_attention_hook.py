@@ -1,8 +1,8 @@
 """The opt-in fused CPU attention for every mlx-lm model: same logits as mlx-lm's stock attention."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
+from decoding import step_logits, tokens
 from mlx_lm.models import cache as lm_cache
 
 import mlx_h2o
@@ -10,15 +10,11 @@ from mlx_h2o import hook
 from tiny_models import tiny_model
 
 
-def _logits(model, tokens, fused):
+def _logits(model, x, fused):
     mlx_h2o.use_fast_cpu_attention(fused)
     try:
-        cache = lm_cache.make_prompt_cache(model)
-        x = mx.array(tokens)[None]
-        outs = [model(x[:, :20], cache=cache)]  # prefill with a causal mask
-        for t in range(20, len(tokens)):  # then decode, one token at a time
-            outs.append(model(x[:, t : t + 1], cache=cache))
-        return np.array(mx.concatenate(outs, axis=1))
+        # A prefill with a causal mask, then decode, one token at a time.
+        return step_logits(model, x, lm_cache.make_prompt_cache(model), prefill=20, every_position=True)
     finally:
         mlx_h2o.use_fast_cpu_attention(False)
 
@@ -33,7 +29,7 @@ def _logits(model, tokens, fused):
 )
 def test_fused_attention_matches_stock(model_type, extra, monkeypatch):
     model = tiny_model(model_type, **extra)
-    tokens = np.random.default_rng(0).integers(0, 101, 40).tolist()
+    x = tokens(40, seed=0, batch=1, vocab=101)
     calls = []
 
     def counting(*args, **kwargs):
@@ -41,10 +37,10 @@ def test_fused_attention_matches_stock(model_type, extra, monkeypatch):
         return mlx_h2o.scaled_dot_product_attention_with_scores(*args, **kwargs)
 
     monkeypatch.setattr(hook, "scaled_dot_product_attention_with_scores", counting)
-    stock = _logits(model, tokens, fused=False)
+    stock = _logits(model, x, fused=False)
     assert not calls
-    fused = _logits(model, tokens, fused=True)
-    assert len(calls) == 2 * (len(tokens) - 20 + 1)  # every layer, every call went through the kernel
+    fused = _logits(model, x, fused=True)
+    assert len(calls) == 2 * (x.shape[1] - 20 + 1)  # every layer, every call went through the kernel
     assert all(calls) == (model_type == "gpt_oss")
     np.testing.assert_allclose(fused, stock, atol=2e-4, rtol=1e-4)
 

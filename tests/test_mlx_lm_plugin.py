@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from decoding import greedy, prefill
 
 import mlx_h2o
 from mlx_h2o import hook, mlx_lm_plugin
@@ -60,13 +61,9 @@ def test_options_as_mlx_lm_lists_them():
 
 
 def _greedy(model, tokens, caches, steps=12):
-    logits = model(mx.array(tokens)[None], cache=caches)
-    out = []
-    for _ in range(steps):
-        y = mx.argmax(logits[:, -1], axis=-1)
-        out.append(y.item())
-        logits = model(y[:, None], cache=caches)
-    return out
+    """`steps` greedy tokens after `tokens` (and one more call, which feeds the last of them)."""
+    first = prefill(model, caches, tokens)
+    return [first] + greedy(model, caches, first, steps)[0][:-1]
 
 
 @pytest.mark.patched_mlx_lm

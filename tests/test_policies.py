@@ -3,15 +3,12 @@ save, load in a NEW Python process and continue token for token; trim, nbytes, m
 prefill), empty, reset. Cases come from the registry, so a new policy is covered without editing
 this file (a policy with a required option other than max_kv_size must say how to fill it)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from decoding import continue_in_new_process, greedy, prefill
 from mlx_lm.models import cache as lm_cache
 from tiny_models import tiny_model
 
@@ -21,7 +18,7 @@ from mlx_h2o.evaluation import kv_bytes
 MODEL = dict(head_dim=64, hidden_size=128, max_position_embeddings=1024)  # head dim 64: every group size divides it
 BUDGET = 24  # entries kept by bounded policies: well below the tokens fed, so they evict
 PROMPT, FIRST, SECOND = 40, 12, 12  # tokens: prompt, generated before saving, generated after
-FIXTURES = Path(__file__).parent / "fixtures" / "saved_by_0.1.0"
+FIXTURES = Path(__file__).parent / "fixtures"
 
 # Storage variants of h2o, beyond its defaults.
 VARIANTS = [
@@ -64,67 +61,21 @@ def _prompt(seed=0, n=PROMPT):
     return np.random.default_rng(seed).integers(0, 128, n).tolist()
 
 
-def _greedy(model, cache, first_token, steps):
-    """Tokens and logits of `steps` greedy steps, feeding `first_token` first."""
-    y, tokens, logits = first_token, [], []
-    for _ in range(steps):
-        out = model(mx.array([[y]]), cache=cache)[0, -1]
-        y = int(mx.argmax(out).item())
-        tokens.append(y)
-        logits.append(np.array(out.astype(mx.float32)))
-    return tokens, np.stack(logits)
-
-
-def _prefill(model, cache, tokens):
-    return int(mx.argmax(model(mx.array([tokens]), cache=cache)[0, -1]).item())
-
-
-# A fresh process: nothing of mlx-h2o has run but the import (which registers the cache classes),
-# so the attention hook is off until a loaded cache turns it on.
-FRESH_PROCESS = """
-import json, sys
-from mlx_h2o._blas import use_openblas
-use_openblas()  # as conftest.py does for the parent: the same GEMMs on both sides
-import mlx_h2o
-import mlx.core as mx, numpy as np
-from mlx_h2o import hook
-from mlx_lm.models.cache import load_prompt_cache
-sys.path.insert(0, sys.argv[2])
-import test_policies as t
-jobs = json.loads(open(sys.argv[1]).read())
-assert hook._target.__code__ is hook._original_code, "importing mlx_h2o must not swap mlx-lm's attention"
-model = t._model()
-for job in jobs:
-    cache = load_prompt_cache(job["path"])
-    tokens, logits = t._greedy(model, cache, job["last"], t.SECOND)
-    np.save(job["path"] + ".logits.npy", logits)
-    job["tokens"] = tokens
-    job["classes"] = [type(c).__name__ for c in cache]
-print(json.dumps(jobs))
-"""
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Every case generated, saved, continued in this process; then loaded and continued in one
-    fresh process. Returns {case index: (reference tokens, reference logits, fresh job)}."""
+    new process. Returns {case index: (reference tokens, reference logits, new-process job)}."""
     tmp = tmp_path_factory.mktemp("caches")
     model = _model()
     jobs, refs = [], {}
     for i, (name, opts) in enumerate(CASES):
         cache = mlx_h2o.make_cache(model, name, **opts)
-        last = _greedy(model, cache, _prefill(model, cache, _prompt(i)), FIRST)[0][-1]
+        last = greedy(model, cache, prefill(model, cache, _prompt(i)), FIRST)[0][-1]
         path = str(tmp / f"case{i}.safetensors")
         lm_cache.save_prompt_cache(path, cache, {"case": IDS[i]})
-        refs[i] = _greedy(model, cache, last, SECOND)
+        refs[i] = greedy(model, cache, last, SECOND)
         jobs.append({"case": i, "path": path, "last": last})
-    manifest = tmp / "jobs.json"
-    manifest.write_text(json.dumps(jobs))
-    env = dict(os.environ)
-    r = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(manifest), str(Path(__file__).parent)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    fresh = {job["case"]: job for job in json.loads(r.stdout.strip().splitlines()[-1])}
+    fresh = {job["case"]: job for job in continue_in_new_process(jobs, SECOND, tmp, "llama", **MODEL)}
     return {i: (refs[i], fresh[i]) for i in refs}
 
 
@@ -132,7 +83,7 @@ def saved(tmp_path_factory):
 def test_saved_cache_continues_identically_in_a_new_process(saved, case):
     (tokens, logits), fresh = saved[case]
     assert fresh["tokens"] == tokens
-    np.testing.assert_allclose(np.load(fresh["path"] + ".logits.npy"), logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fresh["logits"], logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name, opts", CASES, ids=IDS)
@@ -144,10 +95,10 @@ def test_protocol(name, opts):
     opts = {**opts, "max_kv_size": 256} if "max_kv_size" in opts else opts
     cache = mlx_h2o.make_cache(model, name, **opts)
     assert all(c.empty() for c in cache)
-    _prefill(model, cache, tokens[:30])
+    prefill(model, cache, tokens[:30])
     assert not any(c.empty() for c in cache)
     n30 = kv_bytes(cache)
-    _prefill(model, cache, tokens[30:50])
+    prefill(model, cache, tokens[30:50])
     assert kv_bytes(cache) > n30 > 0
 
     # trim 10 (nothing evicted, so every policy can), then continue: as good as a cache of the same
@@ -158,8 +109,8 @@ def test_protocol(name, opts):
     assert lm_cache.trim_prompt_cache(cache, 10) == 10
     ref, full = mlx_h2o.make_cache(model, name, **opts), mlx_h2o.make_cache(model, "full")
     for c in (ref, full):
-        _prefill(model, c, tokens[:30])
-        _prefill(model, c, tokens[30:40])
+        prefill(model, c, tokens[:30])
+        prefill(model, c, tokens[30:40])
     # A multi-token call after trimming exercises make_mask(N > 1) against the held layout.
     chunk = mx.array([tokens[40:47]])
     got, want, exact = (np.array(model(chunk, cache=c)) for c in (cache, ref, full))
@@ -183,7 +134,7 @@ def test_bounded_policies_hold_a_bounded_size(name, opts):
     model = _model()
     tokens = _prompt(3, 120)
     cache = mlx_h2o.make_cache(model, name, **opts)
-    _prefill(model, cache, tokens[:8])
+    prefill(model, cache, tokens[:8])
     sizes = []
     for t in tokens[8:]:
         model(mx.array([[t]]), cache=cache)
@@ -191,12 +142,12 @@ def test_bounded_policies_hold_a_bounded_size(name, opts):
     mx.eval([c.state for c in cache])
     slack = sum(e - s for s, e in opts.get("pin", ()))  # pinned entries are outside the budget
     # Per-layer budgets (h2o layer_budget) move entries between layers at the same total; an h2o
-    # archive (evicted_bits) holds part of its budget's bytes in a low-bit tier of archive_size entries.
-    def budget(c, config):
-        return getattr(c, config).max_kv_size if hasattr(c, config) else BUDGET
+    # archive (evicted_bits) holds part of its layer's budget's bytes in a low-bit tier of archive_size entries.
+    def budget(c, which):
+        return getattr(c, which).max_kv_size if hasattr(c, which) else BUDGET
 
-    assert sum(budget(c, "full_config" if hasattr(c, "full_config") else "config") for c in cache) == BUDGET * len(cache)
-    budgets = [budget(c, "config") for c in cache]
+    assert sum(budget(c, "layer_budget") for c in cache) == BUDGET * len(cache)
+    budgets = [budget(c, "budget") for c in cache]
     assert all(c.size() <= m + slack for c, m in zip(cache, budgets))
     # Steady state: the bytes held stop growing once the budget (and any archive) is full.
     full = max(m + (getattr(c, "archive_size", 0) or 0) for c, m in zip(cache, budgets)) + slack
@@ -205,7 +156,10 @@ def test_bounded_policies_hold_a_bounded_size(name, opts):
     assert max(sizes[start:]) <= max(sizes[start : start + 10]) + 1
 
 
-@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.safetensors")), ids=lambda p: p.stem)
-def test_files_saved_by_0_1_0_fail_with_a_clear_message(path):
-    with pytest.raises(ValueError, match=r"saved by mlx-h2o 0\.1\.0 \(save format 1\).*recompute"):
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("saved_by_*/*.safetensors")), ids=lambda p: f"{p.parent.name}-{p.stem}")
+def test_files_saved_by_older_releases_fail_with_a_clear_message(path):
+    """0.1.0 wrote unversioned states; 0.2.0's h2o caches (H2OKVCache and its former subclasses
+    AdaptiveHeadsKVCache and ArchiveKVCache) kept their bookkeeping beside the rows."""
+    release = path.parent.name.removeprefix("saved_by_").replace(".", r"\.")
+    with pytest.raises(ValueError, match=rf"saved by mlx-h2o {release} \(save format \d\).*recompute"):
         lm_cache.load_prompt_cache(str(path))

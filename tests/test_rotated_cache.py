@@ -4,6 +4,7 @@ attention on unquantized data, error falls with bits, save/load reproduces, opti
 import mlx.core as mx
 import numpy as np
 import pytest
+from decoding import step_logits, tokens
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from tiny_models import tiny_model
 
@@ -53,12 +54,9 @@ def test_roundtrip_error_falls_with_bits_and_rotation_helps_outliers():
     assert _roundtrip_error(4, rotate=True) < 0.7 * _roundtrip_error(4, rotate=False)
 
 
-def _attend_all(model, cache, tokens, prefill=12):
-    x = mx.array(tokens)[None]
-    outs = [model(x[:, :prefill], cache=cache)]
-    for t in range(prefill, len(tokens)):
-        outs.append(model(x[:, t : t + 1], cache=cache))
-    return np.array(mx.concatenate(outs, axis=1))
+def _attend_all(model, cache, x):
+    """Every position's logits: a prefill of 12 tokens, then one token at a time."""
+    return step_logits(model, x, cache, prefill=12, every_position=True)
 
 
 def _tiers(cache):
@@ -74,22 +72,22 @@ def test_rotated_attention_equals_plain_attention_without_quantization(lam):
     """With a window as long as the sequence nothing is packed: only the rotation (and λ) act, and
     the logits must equal the full cache's."""
     model = tiny_model("llama", head_dim=64, hidden_size=128)
-    tokens = np.random.default_rng(2).integers(0, 101, 40).tolist()
-    full = _attend_all(model, mlx_h2o.make_cache(model, "full"), tokens)
+    x = tokens(40, seed=2, batch=1, vocab=101)
+    full = _attend_all(model, mlx_h2o.make_cache(model, "full"), x)
     cache = mlx_h2o.make_cache(model, "rotated", bits=4, residual=1000, lam=lam)
-    rotated = _attend_all(model, cache, tokens)
+    rotated = _attend_all(model, cache, x)
     np.testing.assert_allclose(rotated, full, atol=2e-4, rtol=1e-4)
     assert all(_tiers(c) == (0, 40) for c in cache)
 
 
 def test_packed_and_window_segments_and_bits():
     model = tiny_model("qwen3", head_dim=64, hidden_size=128)
-    tokens = np.random.default_rng(3).integers(0, 101, 60).tolist()
-    full = _attend_all(model, mlx_h2o.make_cache(model, "full"), tokens)
+    x = tokens(60, seed=3, batch=1, vocab=101)
+    full = _attend_all(model, mlx_h2o.make_cache(model, "full"), x)
     errs = {}
     for bits in (2, 4, 8):
         cache = mlx_h2o.make_cache(model, "rotated", bits=bits, residual=16)
-        errs[bits] = np.abs(_attend_all(model, cache, tokens) - full).max()
+        errs[bits] = np.abs(_attend_all(model, cache, x) - full).max()
         assert all(_tiers(c) == (44, 16) and c.offset == 60 for c in cache)
     assert errs[8] < errs[4] < errs[2], errs
     assert errs[8] < 0.1 * errs[2], errs
@@ -98,7 +96,7 @@ def test_packed_and_window_segments_and_bits():
 def test_nbytes_is_packed_plus_window():
     model = tiny_model("llama", head_dim=64, hidden_size=128)
     cache = mlx_h2o.make_cache(model, "rotated", bits=4, group_size=64, residual=8)
-    _attend_all(model, cache, list(range(30)))
+    _attend_all(model, cache, mx.arange(30)[None])
     packed_row = 2 * (64 * 4 // 8 + 2 * 4)  # 2 kv heads: nibbles + f32 scale and bias per group of 64
     window_row = 2 * 64 * 4  # float32 activations
     assert all(c.nbytes == 2 * (22 * packed_row + 8 * window_row) for c in cache)
@@ -106,9 +104,9 @@ def test_nbytes_is_packed_plus_window():
 
 def test_save_load_reproduces_generation(tmp_path):
     model = tiny_model("llama", head_dim=64, hidden_size=128)
-    tokens = np.random.default_rng(4).integers(0, 101, 40).tolist()
+    x = tokens(40, seed=4, batch=1, vocab=101)
     cache = mlx_h2o.make_cache(model, "rotated", bits=3, residual=8, seed=5)
-    _attend_all(model, cache, tokens)
+    _attend_all(model, cache, x)
     save_prompt_cache(str(tmp_path / "r.safetensors"), cache)
     loaded = load_prompt_cache(str(tmp_path / "r.safetensors"))
     assert all(type(c) is RotatedQuantizedKVCache for c in loaded)
@@ -121,11 +119,11 @@ def test_trim():
     """One layer, so K/V depend on the tokens alone: trimming 20 of 50 tokens (8 from the window,
     12 packed rows) must leave exactly the cache that packs the first 30 tokens."""
     model = tiny_model("llama", head_dim=64, hidden_size=128, num_hidden_layers=1)
-    tokens = np.random.default_rng(5).integers(0, 101, 50).tolist()
+    x = tokens(50, seed=5, batch=1, vocab=101)
     a = mlx_h2o.make_cache(model, "rotated", residual=8)
-    _attend_all(model, a, tokens)
+    _attend_all(model, a, x)
     b = mlx_h2o.make_cache(model, "rotated", residual=0)
-    _attend_all(model, b, tokens[:30])
+    _attend_all(model, b, x[:, :30])
     assert a[0].trim(20) == 20 and a[0].offset == 30 and _tiers(a[0]) == (30, 0)
     [(mine_k, mine_v)], [(ref_k, ref_v)] = a[0].store.segments(), b[0].store.segments()
     for mine, ref in ((mine_k, ref_k), (mine_v, ref_v)):
@@ -138,7 +136,7 @@ def test_calibrated_lambdas():
     calib = calibrate_lambdas(model, list(range(50)))
     assert len(calib) == 2 and calib[0][0].shape == (2, 64)
     cache = mlx_h2o.make_cache(model, "rotated", lam=calib)
-    _attend_all(model, cache, list(range(20)))
+    _attend_all(model, cache, mx.arange(20)[None])
     assert mx.array_equal(cache[0].lambdas[0], calib[0][0])
 
 

@@ -15,10 +15,10 @@ from .rows import gather_rows, grown_capacity, pad_indices
 
 
 class ColumnedKV(KVWrapper):
-    """`rows` (any storage) with named per-entry columns of the given dtypes; the rows' other calls
-    are forwarded."""
+    """`rows` (any storage) with named per-entry columns of the given dtypes (by name, "float32":
+    a cache deep-copies, and MLX dtypes do not); the rows' other calls are forwarded."""
 
-    def __init__(self, rows: KVStorage, dtypes: Dict[str, mx.Dtype]):
+    def __init__(self, rows: KVStorage, dtypes: Dict[str, str]):
         super().__init__(rows)
         self.dtypes = dict(dtypes)
         self.columns: Optional[Dict[str, mx.array]] = None  # name -> (B, H, capacity)
@@ -56,7 +56,7 @@ class ColumnedKV(KVWrapper):
             self._reserve(B, H, cap)
         self.inner.append(keys, values, capacity)
         for name, v in columns.items():
-            self.columns[name][..., n : n + L] = mx.broadcast_to(v, (B, H, L)).astype(self.dtypes[name])
+            self.columns[name][..., n : n + L] = mx.broadcast_to(v, (B, H, L)).astype(getattr(mx, self.dtypes[name]))
 
     @property
     def columns_capacity(self) -> int:
@@ -64,7 +64,7 @@ class ColumnedKV(KVWrapper):
 
     def _reserve(self, B: int, H: int, capacity: int) -> None:
         n = self.length if self.columns is not None else 0
-        fresh = {k: mx.zeros((B, H, capacity - n), d) for k, d in self.dtypes.items()}
+        fresh = {k: mx.zeros((B, H, capacity - n), getattr(mx, d)) for k, d in self.dtypes.items()}
         if self.columns is None:
             self.columns = fresh
         else:

@@ -42,11 +42,12 @@ class H2OKVCache(AttendingCache):
     """Sink + heavy hitters + recent window, per kv head; see the module docstring."""
 
     save_format = 3
+    _COUNTERS = ("offset", "length", "peak", "evictions", "scoreless", "scale", "budget_allocated", "shape", "head_dims", "row_dtype")
 
     def __init__(self, config: H2OConfig, seed: int = 0):
-        self.config, self.seed = config, seed  # this layer's (M: layer_budget, spread.py); its rotation's seed
-        # layer_budget="dispersion": the model's caches share a group that fixes every layer's M when
-        # the first one fills (spread.py); a loaded cache keeps the budget it was saved with.
+        self.config, self.seed = config, seed  # the policy's; this layer's rotation's seed
+        self.layer_budget = config.budget  # this layer's (M may differ from the policy's: layer_budget, spread.py)
+        # dispersion: the model's caches share a group that fixes every layer's M when the first fills (spread.py)
         self.budget_group, self.budget_index = None, 0
         self.budget_allocated = config.budget.layer_budget != "dispersion"
         self.reset()
@@ -54,15 +55,15 @@ class H2OKVCache(AttendingCache):
     def reset(self):
         """Forget everything (an independent generation starts from scratch)."""
         self.lanes = None  # set by the first rows, with (B, H), the head dims and the rows' dtype
-        self.shape = self.head_dims = self.row_dtype = None
+        self.shape = self.head_dims = self.row_dtype = None  # row_dtype by name ("float16"): caches deep-copy
         self.offset = self.length = self.peak = self.evictions = 0
         self.scoreless, self._awaiting_scores, self.scale = False, False, None
-        self.budget = self.config.budget  # in force: less the archive's share once the first rows came
+        self.budget, self.archive_size = self.layer_budget, 0  # in force: less the archive's share once the first rows came
 
     def set_layer_budget(self, m: int):
         """This layer's M (layer_budget: pyramid, or dispersion once allocated)."""
-        self.config = self.config.with_budget(self.config.budget.for_layer(m))
-        self.budget_allocated = True
+        self.layer_budget, self.budget_allocated = self.config.budget.for_layer(m), True
+        self.budget = self.layer_budget
         if self.lanes is not None:
             self._start(*self.shape, self.head_dims, self.row_dtype, self.lanes)
 
@@ -97,8 +98,7 @@ class H2OKVCache(AttendingCache):
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None and self.offset + N > window_size:
-            raise ValueError("an h2o layer cannot serve a sliding-window mask (its entries differ per layer and head); "
-                             "sliding-window layers keep their own cache")
+            raise ValueError("an h2o layer cannot serve a sliding-window mask: sliding-window layers keep their own cache")
         if N == 1:
             return None  # a single query sees every held entry
         self._allocate_budgets(N)
@@ -119,7 +119,7 @@ class H2OKVCache(AttendingCache):
         B, H, L, _ = keys.shape
         if self.lanes is None:
             self.config.storage.check_rows(keys, values, packed=self.config.keeper.evicted_bits is not None)
-            self._start(B, H, (keys.shape[-1], values.shape[-1]), keys.dtype)
+            self._start(B, H, (keys.shape[-1], values.shape[-1]), str(keys.dtype).split(".")[-1])
         elif (B, H) != self.shape:
             raise ValueError(f"keys have batch/heads {(B, H)} but the cache holds {self.shape}; reset() it first")
         self._allocate_budgets(L)
@@ -139,14 +139,13 @@ class H2OKVCache(AttendingCache):
         """The first rows fix the layout (one lane, or one per (batch row, kv head) under per-head
         budgets) and the archive's share of the budget (keeper.py)."""
         self.shape, self.head_dims, self.row_dtype = (B, H), tuple(head_dims), dtype
-        self.budget, archive_size = self.config.keeper.split(self.config, self.head_dims, dtype.size)
+        self.budget, self.archive_size = self.config.keeper.split(self.layer_budget, self.config.storage, self.head_dims, getattr(mx, dtype).size)
         self.lanes = lanes or make_lanes(self.config, self.seed, B, H)
         for lane in self.lanes:
-            lane.archive_size, lane.row_dtype = archive_size, dtype
+            lane.archive_size, lane.row_dtype = self.archive_size, dtype
 
     def _evict(self, keep: int, L: int):
-        """Keep `keep` entries per head (the scorer's best and the budget's protected); the keeper
-        does what it does with the rest."""
+        """Keep `keep` entries per head (the budget's protected, the scorer's best); the keeper takes the rest."""
         capacity, recent = self.budget.buffer_capacity(self.offset, keep + L), self.budget.recent_kept(self.offset, keep)
         chosen = choose_entries(self.lanes, self.shape, self.budget, self.config.scorer, self.offset, keep, capacity, recent,
                                 self.scoreless, self.scale)
@@ -163,7 +162,8 @@ class H2OKVCache(AttendingCache):
         _check_call(self.lanes, keys, values, mask)
         self.scale, outs = float(scale), []
         for lane in self.lanes:
-            out, raw = lane.attend(queries, self.config.scorer, scale=scale, mask=mask, sinks=sinks, kv_heads=self.shape[1])
+            out, raw = lane.attend(queries, self.config.scorer, scale=scale, mask=mask, sinks=sinks, kv_heads=self.shape[1],
+                                   own=(keys, values) if len(self.lanes) == 1 else None)  # what the model attends (MLA: not the rows)
             if self.budget_group is not None and not self.budget_group.allocated:
                 self.budget_group.observe(self.budget_index, attention_entropy(raw).item())
             outs.append(out)
@@ -173,16 +173,15 @@ class H2OKVCache(AttendingCache):
     def _payload(self):  # save and load: caches/base.py's SavedCache
         return None if self.lanes is None else {"lanes": [lane.state() for lane in self.lanes]}
 
-    _COUNTERS = ("offset", "length", "peak", "evictions", "scoreless", "scale", "budget_allocated", "shape", "head_dims")
-
     def _meta(self):
-        dtype = None if self.row_dtype is None else str(self.row_dtype).split(".")[-1]
-        return {"config": self.config.to_json(), "seed": self.seed, "row_dtype": dtype, **{k: getattr(self, k) for k in self._COUNTERS}}
+        return {"config": self.config.to_json(), "seed": self.seed, "layer_max_kv_size": self.layer_budget.max_kv_size,
+                **{k: getattr(self, k) for k in self._COUNTERS}}
 
     def _restore(self, payload, meta):
         self.__init__(H2OConfig.from_json(meta["config"]), meta["seed"])
+        self.set_layer_budget(meta["layer_max_kv_size"])  # (budget_allocated as saved, below)
         if payload is not None:
-            self._start(*meta["shape"], meta["head_dims"], getattr(mx, meta["row_dtype"]))
+            self._start(*meta["shape"], meta["head_dims"], meta["row_dtype"])
             for lane, state in zip(self.lanes, payload["lanes"]):
                 lane.load(state)
         for k in self._COUNTERS:

@@ -62,7 +62,7 @@ class Keeper:
         if self.merge is not None and not config.storage.single_format:
             raise ValueError("merge rewrites kept rows in place: it needs one storage format (kv_bits without a '/')")
         M, sink = config.budget.max_kv_size, config.budget.sink
-        if self.evicted_bits is not None and M - self.moved(M) <= sink:
+        if self.evicted_bits is not None and M - int(round(self.evicted_share * M)) <= sink:
             raise ValueError(f"evicted_share={self.evicted_share} leaves no entry beyond the sink in the cache")
 
     @property
@@ -70,18 +70,21 @@ class Keeper:
         """The archive's storage format (storage/kv.py), or None when there is no archive."""
         return None if self.evicted_bits is None else tier_bits(self.evicted_bits)
 
-    def moved(self, M: int) -> int:
-        """Entries of M whose bytes go to the archive."""
-        return int(round(self.evicted_share * M)) if self.evicted_bits is not None else 0
+    def moved(self, budget) -> int:
+        """Entries of the budget's M whose bytes go to the archive; a layer given a small M (layer_budget)
+        keeps at least one entry beyond its sink."""
+        if self.evicted_bits is None:
+            return 0
+        return min(int(round(self.evicted_share * budget.max_kv_size)), budget.max_kv_size - budget.sink - 1)
 
-    def split(self, config, head_dims, itemsize: int):
-        """(the budget in force, the archive's size in entries): of the bytes of M entries in the
-        storage's own format, the archive's share buys entries at `evicted_bits`."""
-        budget, moved = config.budget, self.moved(config.budget.max_kv_size)
+    def split(self, budget, storage, head_dims, itemsize: int):
+        """(the budget in force, the archive's size in entries): of the bytes of the budget's M entries
+        in the storage's own format, the archive's share buys entries at `evicted_bits`."""
+        moved = self.moved(budget)
         if not moved:
             return budget, 0
-        dims = (*head_dims, config.storage.kv_group_size, itemsize)
-        own, low = (row_bytes(f, *dims) + BOOKKEEPING_BYTES for f in (config.storage.tiers()[0], self.archive_format))
+        dims = (*head_dims, storage.kv_group_size, itemsize)
+        own, low = (row_bytes(f, *dims) + BOOKKEEPING_BYTES for f in (storage.tiers()[0], self.archive_format))
         return budget.for_layer(budget.max_kv_size - moved), moved * own // low
 
     # ------------------------------------------------------------------ an eviction
@@ -113,7 +116,8 @@ class Keeper:
         dropped = mx.argsort(_kept_mask(n, kept_idx).astype(mx.int32), axis=-1)[..., : n - keep]  # not kept sort first
         keys, values = store.read_rows()
         acc, pos = gather_rows(store.column("acc"), dropped), gather_rows(store.column("pos"), dropped)
-        archive.append(gather_rows(keys, dropped).astype(lane.row_dtype), gather_rows(values, dropped).astype(lane.row_dtype),
+        dtype = getattr(mx, lane.row_dtype)
+        archive.append(gather_rows(keys, dropped).astype(dtype), gather_rows(values, dropped).astype(dtype),
                        acc=acc, pos=pos)
         A = lane.archive_size
         if archive.length > A:

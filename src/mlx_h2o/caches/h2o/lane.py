@@ -32,7 +32,7 @@ class Lane:
         self.store, self.archive = store, archive
         self.batch, self.heads = batch, heads  # heads None: every kv head (and batch row) of the layer
         self.q_mean = self.q_sq = None  # (B, Hq, D) running mean and mean square of the stored-space queries
-        self.archive_size, self.row_dtype = 0, None  # the archive's entries at most; the dtype rows enter it in
+        self.archive_size, self.row_dtype = 0, None  # the archive's entries at most; the dtype (name) rows enter it in
 
     @property
     def length(self) -> int:
@@ -57,14 +57,17 @@ class Lane:
         """This lane's rows and kv heads of a (B, H, ...) array of the layer's."""
         return x if self.heads is None else x[self.batch, self.heads]
 
-    def segments(self) -> list:
-        """What attention reads: the archive's rows (older than every query), then the lane's."""
-        return (self.archive.segments() if self.archive is not None else []) + self.store.segments()
+    def segments(self, own=None) -> list:
+        """What attention reads: the archive's rows (older than every query), then the lane's, or
+        `own` (keys, values) in their place: what the model made of the fetched rows (MLA expands
+        its latent rows into keys and values before attending)."""
+        own = self.store.segments() if own is None else own[0] if isinstance(own[0], list) else [own]
+        return (self.archive.segments() if self.archive is not None else []) + own
 
     def nbytes(self) -> int:
         return self.store.nbytes() + (self.archive.nbytes() if self.archive is not None else 0)
 
-    def attend(self, queries: mx.array, scorer, *, scale, mask, sinks, kv_heads: int):
+    def attend(self, queries: mx.array, scorer, *, scale, mask, sinks, kv_heads: int, own=None):
         """This lane's attention over its archive and rows for its share of the layer's queries
         (B, Hq, L, D) and sinks (the layer has `kv_heads`), folding the scores into the score column:
         (output in the model's space and dtype, the op's raw scores)."""
@@ -76,7 +79,7 @@ class Lane:
             sinks = sinks[self.query_heads(sinks.shape[0], kv_heads)]
         if "mult" in store.dtypes:
             mask = _with_log_multiplicity(mask, store.column("mult"), q.shape[1], q.shape[2])
-        segments = self.segments()
+        segments = self.segments(own)
 
         def op(q, mask, scores):
             return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)
@@ -150,12 +153,12 @@ def join_outputs(outs, shape):
 
 def archive_store(bits, group_size: int) -> ColumnedKV:
     """The archive of evicted entries: rows at `bits` with their score and position."""
-    return ColumnedKV(KVStore(bits, group_size), {"acc": mx.float32, "pos": mx.int32})
+    return ColumnedKV(KVStore(bits, group_size), {"acc": "float32", "pos": "int32"})
 
 
 def entry_store(rows: KVStorage, merges: bool) -> ColumnedKV:
     """A lane's rows with their score accumulator, position, and multiplicity when entries merge."""
-    return ColumnedKV(rows, {"acc": mx.float32, "pos": mx.int32, **({"mult": mx.float32} if merges else {})})
+    return ColumnedKV(rows, {"acc": "float32", "pos": "int32", **({"mult": "float32"} if merges else {})})
 
 
 def _with_log_multiplicity(mask, mult: mx.array, Hq: int, L: int) -> mx.array:

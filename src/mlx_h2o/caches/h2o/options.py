@@ -46,6 +46,3 @@ class H2OConfig:
         parts = {part: {f.name: d[part][f.name] for f in fields(kind)} for part, kind in PARTS.items()}
         parts["budget"]["pin"] = tuple(tuple(s) for s in parts["budget"]["pin"])
         return cls(**{part: PARTS[part](**values) for part, values in parts.items()})
-
-    def with_budget(self, budget: Budget) -> "H2OConfig":
-        return H2OConfig(budget, self.scorer, self.keeper, self.storage)

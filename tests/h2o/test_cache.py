@@ -1,0 +1,196 @@
+"""The h2o cache as a whole (caches/h2o/cache.py): the evicted layout against a full cache masked to
+the kept positions, the seed's offset bug, reset and trim, the hook and its fallback, save/load,
+pinned spans, long prompts, mlx-lm integration on tiny models of many architectures, a 16K soak."""
+
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from decoding import greedy, lockstep, step_logits, tokens
+from mlx_lm.generate import generate_step
+from mlx_lm.models import cache as lm_cache
+from tiny_models import CONFIGS, tiny_model
+
+import mlx_h2o
+from mlx_h2o import hook
+from mlx_h2o.caches.h2o import H2OConfig, H2OKVCache
+
+from .references import column, kept_positions
+
+
+def _h2o_layers(cache):
+    return [c for c in cache if isinstance(c, H2OKVCache)]
+
+
+# ----------------------------------------------------------------------------- the evicted layout
+class SeedOffsetBug(H2OKVCache):
+    """The MLX seed's bug: the logical offset reset to the physical length after eviction."""
+
+    def _evict(self, keep, capacity):
+        super()._evict(keep, capacity)
+        self.offset = self.length
+
+
+def test_evicted_layout_equals_full_cache_masked_to_kept_positions():
+    model = tiny_model("llama")
+    x = tokens(140, seed=3, batch=2)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, evict_every=3)
+    # Multi-row calls after eviction exercise the causal mask over the evicted layout.
+    assert lockstep(model, x, cache, kept_positions(cache), chunk_at=(60, 100)) < 1e-4
+    c = cache[0]
+    assert c.offset == 140 and c.length <= 24 + 2 and c.evictions > 10
+
+
+def test_seed_offset_reset_bug_cannot_happen():
+    model = tiny_model("llama")
+    x = tokens(100, seed=4, batch=1)
+    cfg = H2OConfig.build(24)
+    cache = [H2OKVCache(cfg) for _ in model.layers]
+    assert lockstep(model, x, cache, kept_positions(cache)) < 1e-4
+    for c in cache:
+        assert c.offset == 100 and c.size() == 24  # logical position vs physical length
+        planned = c.budget.keep_count(c.length, c.offset, 4)
+        assert c.make_mask(4, return_array=True).shape == (4, (c.length if planned is None else planned) + 4)
+    # The same check catches the seed's bug: its offset falls back to the physical length.
+    buggy = [SeedOffsetBug(cfg) for _ in model.layers]
+    assert lockstep(model, x, buggy, kept_positions(buggy)) > 1e-2
+
+
+# ----------------------------------------------------------------------------- architectures
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_architecture_generates_with_bounded_cache(arch):
+    model = tiny_model(arch)
+    M, e = 64, 4
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=e)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generated = [t for t, _ in generate_step(tokens(20, seed=1), model, max_tokens=300, prompt_cache=cache)]
+    assert len(generated) == 300
+    layers = _h2o_layers(cache)
+    assert layers and all(c.peak <= M and c.evictions > 0 for c in layers)
+    assert all(c.offset >= 20 + 299 for c in layers)  # generate_step runs one step ahead
+    # Sliding-window layers keep their own cache.
+    kinds = {type(c).__name__ for c in cache}
+    assert kinds == ({"H2OKVCache", "RotatingKVCache"} if arch in ("gemma3", "gpt_oss") else {"H2OKVCache"})
+    inline = arch == "gemma2"  # mlx-lm's gemma2 attends inline: no scores, a warned fallback
+    assert all(c.scoreless == inline for c in layers)
+    assert any("no attention scores" in str(w.message) for w in caught) == inline
+
+    # Nothing evicted (M >= length): the same logits as the model's own cache.
+    x = tokens(70, seed=2, batch=2)
+    full = step_logits(model, x, mlx_h2o.make_cache(model, "full"))
+    h2o = step_logits(model, x, mlx_h2o.make_cache(model, "h2o", max_kv_size=128))
+    np.testing.assert_allclose(h2o, full, atol=1e-4 * max(1.0, np.abs(full).max()))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss", "gemma3"])
+def test_mla_sinks_and_sliding_layers_match_masked_reference(arch):
+    model = tiny_model(arch)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=20, evict_every=2)
+    assert lockstep(model, tokens(80, seed=6, batch=2), cache, kept_positions(cache), chunk_at=(40,)) < 1e-4
+    assert all(c.evictions > 10 for c in _h2o_layers(cache))
+
+
+def test_long_prompt_prefilled_in_chunks_stays_bounded():
+    # The bound holds from the second chunk on, whatever the length (benchmarks/bench_h2o.py runs 32K).
+    model = tiny_model("llama")
+    M, chunk, n = 64, 256, 8192
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M)
+    prompt = tokens(n, seed=7)
+    steps = generate_step(prompt, model, max_tokens=4, prompt_cache=cache, prefill_step_size=chunk)
+    assert len(list(steps)) == 4
+    for c in _h2o_layers(cache):
+        # A chunk is appended whole after an eviction down to M - evict_every.
+        assert c.offset >= n + 3 and c.peak == M - c.budget.evict_every + chunk and c.size() <= M
+
+
+def test_pinned_spans_are_never_evicted():
+    model = tiny_model("llama")
+    M, e, span = 24, 4, (3, 13)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=e, pin=[span])
+    step_logits(model, tokens(150, seed=8, batch=2), cache)
+    for c in cache:
+        pos = np.array(column(c, "pos"))
+        assert all(set(range(*span)) <= set(row) for row in pos.reshape(-1, c.length))
+        assert c.peak <= M + (span[1] - span[0])
+    assert mlx_h2o.make_cache(model, "h2o", max_kv_size=M, pin="3:13;40:50")[0].config.budget.pin == ((3, 13), (40, 50))
+
+
+def test_reset_and_trim():
+    model = tiny_model("llama")
+    x = tokens(60, seed=9, batch=1)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=16)
+    assert hook.installed()
+    first = step_logits(model, x, cache)
+    for c in cache:
+        c.reset()
+        assert c.empty() and c.offset == 0 and c.size() == 0
+    np.testing.assert_array_equal(step_logits(model, x, cache), first)
+    # Trim the last 3 tokens (held: they are in the recent window); a longer trim stops where the
+    # held tail of consecutive positions ends.
+    c0 = cache[0]
+    assert c0.is_trimmable() and [c.trim(3) for c in cache] == [3, 3] and c0.offset == 57
+    pos = np.array(column(c0, "pos"))
+    assert pos.max() == 56 and c0.length == 13
+    run = next(k for k in range(1, 14) if not (pos[..., -k:] == np.arange(57 - k, 57)).all()) - 1
+    assert c0.trim(100) == run and c0.offset == 57 - run and c0.length == 13 - run
+
+
+@pytest.mark.skipif(hook.MLX_LM_CALLS_ATTEND, reason="the patched mlx-lm calls cache.attend itself: there is no hook to remove")
+def test_without_the_hook_the_cache_falls_back():
+    model = tiny_model("llama")
+    x = tokens(60, seed=9, batch=1)
+    mlx_h2o.make_cache(model, "h2o", max_kv_size=16)
+    assert hook.installed()
+    # With the hook removed the model never reaches attend(): the cache says so and falls back.
+    fallback = [H2OKVCache(H2OConfig.build(16)) for _ in model.layers]
+    hook.remove()
+    try:
+        cache = mlx_h2o.make_cache(model, "rotating", max_kv_size=16)
+        assert not hook.installed()  # other policies do not install it
+        with pytest.warns(RuntimeWarning, match="no attention scores"):
+            step_logits(model, x, fallback)
+        assert all(c.scoreless for c in fallback)
+    finally:
+        hook.install()
+    # The hook is a no-op for other caches.
+    full_hooked = step_logits(model, x, mlx_h2o.make_cache(model, "full"))
+    hook.remove()
+    full_plain = step_logits(model, x, mlx_h2o.make_cache(model, "full"))
+    hook.install()
+    np.testing.assert_array_equal(full_hooked, full_plain)
+
+
+def test_save_load_round_trip_reproduces_generation(tmp_path):
+    model = tiny_model("llama")
+    prompt = tokens(40, seed=10)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, evict_every=4, score="ema", pin=[(2, 5)])
+    last = None
+    for last, _ in generate_step(prompt, model, max_tokens=20, prompt_cache=cache):
+        pass
+    path = str(tmp_path / "h2o.safetensors")
+    lm_cache.save_prompt_cache(path, cache, metadata={"note": "h2o"})
+    hook.remove()
+    loaded, meta = lm_cache.load_prompt_cache(path, return_metadata=True)
+    assert hook.installed() and meta == {"note": "h2o"}
+    assert [type(c) for c in loaded] == [H2OKVCache] * len(cache)
+    for a, b in zip(cache, loaded):
+        assert (a.offset, a.length, a.config) == (b.offset, b.length, b.config)
+
+    np.testing.assert_array_equal(greedy(model, loaded, last, 30)[1], greedy(model, cache, last, 30)[1])
+
+
+def test_16k_decode_soak_holds_a_bounded_number_of_entries():
+    """16,384 tokens decoded one at a time through h2o(M=256): the entries held never pass the
+    budget (benchmarks/bench_h2o.py --soak records the process RSS of the same run)."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    M, steps = 256, 16384
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M)
+    y = tokens(32, seed=13, batch=1)
+    for i in range(steps // 64):
+        for _ in range(64):
+            y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        mx.eval(y, [column(c, "acc") for c in cache])
+        assert all(c.size() <= M for c in cache), i
+    assert all(c.offset == 32 + steps - 1 and c.peak <= M and c.evictions >= (steps - M) // c.budget.evict_every for c in cache)

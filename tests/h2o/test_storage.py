@@ -1,0 +1,138 @@
+"""The h2o cache's storage: K/V rows packed at low bits (one format, or older / recent tiers) and
+rotated before packing; evictions move packed rows untouched. (tests/test_storage.py tests
+src/mlx_h2o/storage itself.)"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from decoding import greedy, step_logits, tokens
+from mlx_lm.generate import generate_step
+from mlx_lm.models import cache as lm_cache
+from tiny_models import tiny_model
+
+import mlx_h2o
+
+from .references import column
+
+
+def _layer0_full_kv(model, x):
+    """Layer 0's keys and values for every position of x. They depend on the tokens and positions
+    only (not on what the cache keeps), so every cache's layer 0 must store exactly these rows
+    (computed with the same call schedule, so the floats agree to the bit)."""
+    full = mlx_h2o.make_cache(model, "full")
+    step_logits(model, x, full)
+    return full[0].keys[..., : x.shape[1], :], full[0].values[..., : x.shape[1], :]
+
+
+def _rows_at(x, positions):
+    return mx.take_along_axis(x, positions[..., None], axis=2)
+
+
+def _encode(x, bits, group):
+    return [x] if bits is None else list(mx.quantize(x, group_size=group, bits=bits))
+
+
+@pytest.mark.parametrize("kv_bits", [8, 4, "mixed", "8/4", "4/fp", "8/fp"])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_low_bit_rows_are_the_kept_positions_quantized(kv_bits, rotate):
+    """Evicting packed rows moves them untouched: after many evictions, layer 0's stored rows are
+    exactly quantize(rotate(K)) at the kept positions, per tier (older rows: heavy bits; the recent
+    window: recent bits; a row demoted from 8 to 4 bits is quantized from its 8-bit value)."""
+    model = tiny_model("llama", head_dim=32)
+    x = tokens(120, seed=11, batch=2)
+    M, group = 24, 32
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=3, kv_bits=kv_bits, rotate=rotate)
+    step_logits(model, x, cache)
+    c = cache[0]
+    assert c.evictions > 10 and c.offset == 120
+    K, V = _layer0_full_kv(model, x)
+    rows = c.lanes[0].store.inner  # under the per-entry columns
+    store = rows.inner if rotate else rows
+    if rotate:  # rows rotated in the calls they arrived in (prefill 8, then one by one)
+        chunks = [(0, 8)] + [(i, i + 1) for i in range(8, 120)]
+        rotation = rows.rotation
+        K = mx.concatenate([rotation.keys(K[:, :, a:b]) for a, b in chunks], axis=2)
+        V = mx.concatenate([rotation.values(V[:, :, a:b]) for a, b in chunks], axis=2)
+    low, high = c.config.storage.tiers()
+    pos = column(c, "pos")
+    if low == high:
+        parts = [(store, pos, None)]
+    else:
+        parts = [(store.low, pos[..., : store.low.length], None), (store.high, pos[..., store.low.length :], None)]
+        assert store.high.length == c.budget.recent  # the recent window stays in the high tier
+    for part, p, _ in parts:
+        bits = part.k.bits
+        for row_store, X in ((part.k, K), (part.v, V)):
+            want = _rows_at(X, p)
+            if part is not store and part is store.low and high is not None and bits is not None:
+                # Demoted rows went through the high tier's format first.
+                want = mx.dequantize(*mx.quantize(want, group_size=group, bits=high), group_size=group, bits=high).astype(X.dtype)
+            got = row_store.state(part.length)
+            for g, w in zip(got, _encode(want, bits, group)):
+                np.testing.assert_array_equal(np.array(g), np.array(w))
+
+
+def test_low_bit_caches_track_the_dense_cache_and_shrink():
+    model = tiny_model("llama", head_dim=32)
+    x = tokens(100, seed=12, batch=1)
+    # Errors without eviction (M > length): once entries are evicted, a slightly different score
+    # changes which entries stay, and a tiny random model amplifies that.
+    ref = step_logits(model, x, mlx_h2o.make_cache(model, "h2o", max_kv_size=128))
+    errors = {}
+    for kv_bits in (8, "mixed", 4):
+        cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=128, kv_bits=kv_bits)
+        errors[kv_bits] = np.abs(step_logits(model, x, cache) - ref).mean()
+    assert errors[8] < errors["mixed"] < errors[4] < 0.05 * np.abs(ref).max()
+    M = 32
+    sizes = {}
+    for kv_bits in (None, 8, "mixed", 4):
+        cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, kv_bits=kv_bits)
+        step_logits(model, x, cache)
+        sizes[kv_bits] = cache[0].lanes[0].store.inner.nbytes()  # the rows, without their columns
+    # Per row and kv head: K and V, head_dim values at (bits/8 bytes + 2 fp32 (scale, bias) per 32).
+    per_row = lambda bits: 2 * 32 * (bits / 8) + 2 * 2 * 4  # noqa: E731  (one group of 32 per head row)
+    H = cache[0].lanes[0].store.inner.k.arrays[0].shape[1]
+    assert sizes[None] == 2 * H * M * 32 * 4  # fp32 tiny model
+    assert sizes[8] == H * M * per_row(8) and sizes[4] == H * M * per_row(4)
+    assert sizes[4] < sizes["mixed"] < sizes[8] < sizes[None]
+
+
+def test_low_bit_caches_save_load_and_trim(tmp_path):
+    model = tiny_model("llama", head_dim=32)
+    prompt = tokens(40, seed=13)
+    for opts in (dict(kv_bits="mixed"), dict(kv_bits=4, rotate=True)):
+        cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, evict_every=2, **opts)
+        for last, _ in generate_step(prompt, model, max_tokens=20, prompt_cache=cache):
+            pass
+        path = str(tmp_path / "h2o_lowbit.safetensors")
+        lm_cache.save_prompt_cache(path, cache)
+        loaded = lm_cache.load_prompt_cache(path)
+        assert loaded[0].nbytes == cache[0].nbytes
+
+        np.testing.assert_array_equal(greedy(model, loaded, last, 12)[1], greedy(model, cache, last, 12)[1])
+        # Trimming the recent window drops rows from the newest tier first.
+        n = cache[0].length
+        assert [c.trim(3) for c in cache] == [3, 3]
+        assert cache[0].length == n - 3 == cache[0].lanes[0].store.length
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(kv_bits=5), r"kv_bits must be one of '8', '4', '8/4', '4/8', '8/fp', '4/fp', 'k8v4', 'k4v8', 'k8v4/8', 'k8v4/fp', 'mixed'"),
+        (dict(kv_bits="4/2"), r"kv_bits must be one of '8', '4'"),
+        (dict(kv_group_size=48), r"kv_group_size must be one of 32, 64, 128"),
+        (dict(rotate="yes"), "rotate must be True or False"),
+        (dict(rotate=True, rotate_lam="calibrated"), r"rotate_lam must be one of 'none', 'prefill'"),
+    ],
+)
+def test_bad_low_bit_options_raise_value_error(options, match):
+    with pytest.raises(ValueError, match=match):
+        mlx_h2o.make_cache(tiny_model("llama"), "h2o", max_kv_size=64, **options)
+
+
+def test_low_bit_rows_need_head_dim_divisible_by_group():
+    model = tiny_model("llama")  # head_dim 16
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=16, kv_bits=4, kv_group_size=32)
+    with pytest.raises(ValueError, match="kv_group_size"):
+        model(tokens(8, batch=1), cache=cache)
