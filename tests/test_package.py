@@ -98,16 +98,16 @@ def test_cli_help_lists_subcommands():
 def test_cli_errors_are_clear(tmp_path):
     r = _cli("generate", "--prompt", "hi", "--max-kv-size", "0")
     assert r.returncode == 2 and "must be >= 1" in r.stderr
-    r = _cli("generate", "--prompt", "hi", "--cache", "lru")
+    r = _cli("generate", "--prompt", "hi", "--kv-policy", "lru")
     assert r.returncode == 2 and "invalid choice" in r.stderr
     r = _cli("generate", "--prompt-file", str(tmp_path / "missing.txt"))
     assert r.returncode == 2 and "cannot read --prompt-file" in r.stderr
-    r = _cli("eval", "--text-files", str(tmp_path / "missing.txt"), "--cache", "full")
+    r = _cli("eval", "--text-files", str(tmp_path / "missing.txt"), "--kv-policy", "full")
     assert r.returncode == 2 and "not found" in r.stderr
 
 
 def test_cli_generate_streams_and_reports(smollm):
-    r = _cli("generate", "--prompt", "Name a colour.", "--max-tokens", "12", "--cache", "rotating", "--max-kv-size", "32")
+    r = _cli("generate", "--prompt", "Name a colour.", "--max-tokens", "12", "--kv-policy", "rotating", "--max-kv-size", "32")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "tokens-per-sec" in r.stderr and "KV cache (rotating): 32 tokens per layer" in r.stderr
@@ -115,7 +115,7 @@ def test_cli_generate_streams_and_reports(smollm):
 
 def test_cli_eval_json(smollm, tmp_path):
     out = tmp_path / "r.json"
-    r = _cli("eval", "--cache", "full", "rotating", "--max-kv-size", "16", "--seq-len", "48", "--samples", "2",
+    r = _cli("eval", "--kv-policy", "full", "rotating", "--max-kv-size", "16", "--seq-len", "48", "--samples", "2",
              "--json", str(out), "--quiet")
     assert r.returncode == 0, r.stderr
     assert "| rotating(M=16) | 48 |" in r.stdout

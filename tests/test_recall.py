@@ -153,7 +153,7 @@ def test_cli_recall_writes_rows(smollm, tmp_path, capsys):
     from mlx_h2o.cli import main
 
     out = tmp_path / "recall.json"
-    assert main(["recall", "--cache", "full", "rotating", "h2o:chunk=4", "--max-kv-size", "48", "--span", "12",
+    assert main(["recall", "--kv-policy", "full", "rotating", "h2o:chunk=4", "--max-kv-size", "48", "--span", "12",
                  "--filler", "60", "--trials", "2", "--chunk", "16", "--quiet", "--doc-set", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["recall"]
     assert [r["label"] for r in rows] == ["full", "rotating(M=48)", "h2o(M=48,chunk=4)"]

@@ -367,7 +367,7 @@ def test_trim_and_reset_give_pages_back():
 def test_cli_generate_passes_max_context():
     from mlx_h2o import cli
 
-    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--cache", "reserved", "--max-context", "64"])
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--kv-policy", "reserved", "--max-context", "64"])
     assert cli._cache_options(args) == {"max_context": 64}
-    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--cache", "rotating", "--max-kv-size", "8"])
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--kv-policy", "rotating", "--max-kv-size", "8"])
     assert cli._cache_options(args) == {"max_kv_size": 8}

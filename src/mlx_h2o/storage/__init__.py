@@ -3,6 +3,7 @@
 - `rows`: K or V rows in (B, H, capacity, ...) buffers, dense or MLX-packed; gathers that compact them.
 - `kv`: K and V side by side in one format (`KVStore`) or two precision tiers (`TieredKV`); the
   interface every storage offers.
+- `wrapper`: `KVWrapper`, a storage over another that changes some calls and forwards the rest.
 - `columns`: `ColumnedKV`, rows plus per-entry columns (score, position...) kept in step with them.
 - `rotation`: rotate-then-quantize (`KVRotation`) and `RotatedKV`, which wraps any storage with it.
 - `reserved`: `ReservedBuffer`, address space reserved once whose pages the OS commits as rows are
@@ -10,10 +11,11 @@
 """
 
 from .columns import ColumnedKV
-from .kv import KVStorage, KVStore, KVWrapper, TieredKV, make_kv_storage, role_bits
+from .kv import KVStorage, KVStore, TieredKV, make_kv_storage, role_bits
 from .reserved import ReservedBuffer, check_capacity
 from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, KVRotation, RotatedKV
 from .rows import GROW_STEP, RowStore, check_group_size, gather_rows, grown_capacity, pad_indices
+from .wrapper import KVWrapper
 
 __all__ = [
     "ColumnedKV",

@@ -10,7 +10,8 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from .kv import KVStorage, KVWrapper
+from .kv import KVStorage
+from .wrapper import KVWrapper
 from .rows import gather_rows, grown_capacity, pad_indices
 
 

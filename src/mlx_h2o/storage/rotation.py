@@ -22,7 +22,8 @@ from typing import Optional, Tuple, Union
 import mlx.core as mx
 import numpy as np
 
-from .kv import KVStorage, KVWrapper
+from .kv import KVStorage
+from .wrapper import KVWrapper
 
 LAMBDA_FLOOR = 1e-6
 # How a cache gets its per-coordinate λ: "none" (rotation alone) or "prefill" (fitted on the first

@@ -1,0 +1,50 @@
+"""`KVWrapper`: the base of storages that wrap another (rotation.py, columns.py)."""
+
+from .kv import KVStorage
+
+
+class KVWrapper(KVStorage):
+    """A storage over another one (`inner`): it changes some calls and forwards the rest."""
+
+    def __init__(self, inner: KVStorage):
+        self.inner = inner
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    def append(self, keys, values, capacity=None) -> None:
+        self.inner.append(keys, values, capacity)
+
+    def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
+        self.inner.gather(idx, keep, protected_tail, capacity)
+
+    def trim(self, n: int) -> None:
+        self.inner.trim(n)
+
+    def segments(self) -> list:
+        return self.inner.segments()
+
+    def fetch(self):
+        return self.inner.fetch()
+
+    def read_rows(self):
+        return self.inner.read_rows()
+
+    def write_rows(self, idx, keys, values) -> None:
+        self.inner.write_rows(idx, keys, values)
+
+    def prepare_queries(self, queries):
+        return self.inner.prepare_queries(queries)
+
+    def restore_output(self, out, dtype):
+        return self.inner.restore_output(out, dtype)
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+    def state(self):
+        return self.inner.state()
+
+    def load(self, state) -> None:
+        self.inner.load(state)
