@@ -77,7 +77,7 @@ def test_mlx_lm_finds_the_policies_through_entry_points(smollm):
     assert set(mlx_lm_plugin.registered_names()) <= set(names), names
     assert "h2o:" in cache_policies.describe_policies()
     caches = make_prompt_cache(model, 64, policy="h2o")
-    assert type(caches[0]).__name__ == "H2OKVCache" and caches[0].config.max_kv_size == 64
+    assert type(caches[0]).__name__ == "H2OKVCache" and caches[0].config.budget.max_kv_size == 64
     with pytest.raises(ValueError, match="installed policies: .*h2o"):
         make_prompt_cache(model, policy="h2o-typo")
 
