@@ -197,3 +197,19 @@ def test_archive_options_and_budget_split():
     step_logits(model, tokens(20, batch=1), cache)
     # fp32 rows of 2 x 32 x 4 = 256 bytes (+ 8) against 2-bit rows of 2 x (8 + 8) = 32 (+ 8).
     assert cache[0].budget.max_kv_size == 128 and cache[0].lanes[0].archive_size == 128 * 264 // 40
+
+
+def test_a_lane_that_keeps_every_entry_archives_nothing():
+    """Per-head budgets: one head may keep all its entries while the others give up more; its lane's
+    eviction then moves nothing to the archive and leaves the lane as it was."""
+    from mlx_h2o.caches.h2o.lane import make_lanes
+
+    config = H2OConfig.build(16, head_budget="adaptive", evicted_bits=2)
+    lane = make_lanes(config, 0, 1, 2)[0]
+    lane.archive_size, lane.row_dtype = 8, "float32"
+    k, v = mx.random.normal((1, 1, 6, 32)), mx.random.normal((1, 1, 6, 32))
+    lane.store.append(k, v, 8, acc=mx.ones((6,)), pos=mx.arange(6, dtype=mx.int32))
+    idx = mx.arange(6, dtype=mx.int32)[None, None]
+    config.keeper.evict(lane, idx, 6, 2, 8, config.scorer.rule, 6, False)
+    assert lane.length == 6 and lane.archived == 0
+    np.testing.assert_array_equal(np.array(lane.store.read_rows()[0]), np.array(k))

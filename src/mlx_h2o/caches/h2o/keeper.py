@@ -92,9 +92,11 @@ class Keeper:
         """Compact `lane` to its entries idx[..., :keep] (ascending), in buffers of `capacity` rows,
         after doing with the others what this keeper does (a cache that saw no scores only drops)."""
         kept_idx = idx[..., :keep]
-        if not scoreless and self.merge is not None:
+        # (Per-head budgets: one head may keep every entry while the others give up more.)
+        drops = not scoreless and keep < lane.length
+        if drops and self.merge is not None:
             self._merge(lane, kept_idx, keep)
-        elif not scoreless and self.evicted_bits is not None:
+        elif drops and self.evicted_bits is not None:
             self._archive(lane, kept_idx, keep, rule, offset)
         lane.store.gather(pad_indices(kept_idx, capacity), keep, recent, capacity)
 
