@@ -6,7 +6,7 @@ rotating and unbounded baselines, h2o at its defaults, each h2o option family on
 combinations the docs use, and the other policies at their defaults. A refactor that keeps the
 arithmetic must reproduce every PPL to 4 decimals.
 
-    PYTHONPATH=/tmp/h2o-before/src build/venv-stock/bin/python benchmarks/bench_h2o_parts.py --json before.json
+    PYTHONPATH=WORKTREE/src build/venv-stock/bin/python benchmarks/bench_h2o_parts.py --json before.json
     PYTHONPATH=src build/venv-stock/bin/python benchmarks/bench_h2o_parts.py --compare docs/results/h2o-parts/before.json [--changed SPEC ...]
 
 (PYTHONPATH picks the package under test over the venv's installed copy; the first line printed says which.)
