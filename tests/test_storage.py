@@ -152,6 +152,18 @@ def test_tiered_storage_demotes_rows_leaving_the_window(low, high):
     assert loaded.length == n and loaded.nbytes() == store.nbytes()
 
 
+def test_tiered_storage_reads_rows_before_any_left_the_window():
+    """Content-aware eviction reads every row densely; while the window holds them all, the low tier
+    is empty and the rows are the high tier's."""
+    store = TieredKV(4, None, 6, GROUP)
+    k = mx.random.normal((1, 2, 3, GROUP), key=mx.random.key(1))
+    store.append(k, -k)
+    keys, values = store.read_rows()
+    assert store.low.length == 0
+    np.testing.assert_array_equal(np.array(keys), np.array(k))
+    np.testing.assert_array_equal(np.array(values), -np.array(k))
+
+
 def test_make_kv_storage_picks_one_format_when_tiers_agree():
     assert isinstance(make_kv_storage(8, 8, 16), KVStore)
     assert isinstance(make_kv_storage(4, 8, 16), TieredKV)

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from attention_reference import float_queries
+from attention_reference import reference as float64_attention
 from decoding import continue_in_new_process, greedy, prefill, step_logits, tokens
 from mlx_lm.models import cache as lm_cache
 from tiny_models import tiny_model
@@ -146,6 +147,12 @@ def exact_run():
 def test_exact_while_nothing_is_evicted(exact_run, name, opts):
     model, x, reference = exact_run
     cache = mlx_h2o.make_cache(model, name, **_with_budget(opts, LARGE))
+    _logits_match_the_full_cache(model, x, cache, name, opts, reference)
+    if name == "h2o":
+        _attention_matches_float64(cache)
+
+
+def _logits_match_the_full_cache(model, x, cache, name, opts, reference):
     full = reference()
     packed = _packed_rows(name, opts)
     if packed is None:
@@ -163,6 +170,28 @@ def test_exact_while_nothing_is_evicted(exact_run, name, opts):
         got = step_logits(model, x, cache)
     np.testing.assert_allclose(got, rounded, atol=1e-3 * max(1.0, np.abs(rounded).max()))
     assert np.abs(rounded - full).max() > 10 * np.abs(got - rounded).max()  # the rows really are packed
+
+
+def _attention_matches_float64(cache):
+    """One more query through each h2o layer (nothing evicted) equals float64 attention (NumPy) over
+    the rows its lanes hold, read back dense in the stored space (rotated storage: the query rotated
+    in, the output rotated back), float queries for packed keys."""
+    rng = np.random.default_rng(7)
+    for c in cache:
+        B, H = c.shape
+        Hq, D = 2 * H, c.head_dims[0]  # the tiny model: 2 query heads per kv head
+        q = mx.array(rng.standard_normal((B, Hq, 1, D)).astype(np.float32))
+        fetched = c.lanes[0].store.fetch() if len(c.lanes) == 1 else (c.lanes, None)
+        with float_queries():
+            got = np.array(c.attend(q, *fetched, scale=D**-0.5))
+        want = []
+        for lane in c.lanes:
+            keys, values = lane.store.read_rows()
+            out, _, _ = float64_attention(lane.store.prepare_queries(lane.queries_of(q, H)), keys, values, D**-0.5)
+            want.append(lane.store.restore_output(mx.array(out.astype(np.float32)), q.dtype))
+        want = np.array(mx.concatenate([mx.concatenate(want[b * H : (b + 1) * H], axis=1) for b in range(B)]) if len(want) > 1 else want[0])
+        assert c.evictions == 0
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- 2. and 3. evicted, saved, continued in a new process

@@ -195,6 +195,8 @@ class TieredKV(KVStorage):
         self.low.gather(idx[..., :low_keep], low_keep, capacity=capacity)
 
     def read_rows(self):
+        if not self.low.length:  # nothing has left the newest rows yet
+            return self.high.read_rows()
         (lk, lv), (hk, hv) = self.low.read_rows(), self.high.read_rows()
         return mx.concatenate([lk, hk], axis=2), mx.concatenate([lv, hv], axis=2)
 
