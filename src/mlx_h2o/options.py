@@ -111,10 +111,14 @@ class Policy:
     def make(self, model, **options):
         return self.build(model, **self.check_options(options))
 
+    def takes(self, name: str) -> bool:
+        """Has an option called `name`."""
+        return any(o.name == name for o in self.options)
+
     @property
     def bounded(self) -> bool:
         """Takes a `max_kv_size` budget."""
-        return any(o.name == "max_kv_size" for o in self.options)
+        return self.takes("max_kv_size")
 
 
 def parse_key_values(items: Sequence[str], what: str = "option") -> Dict[str, str]:

@@ -36,10 +36,13 @@ def _policy_spec(text):
 
 
 def _key_value(text):
-    """argparse type of --kv-option: KEY=VALUE."""
-    key, eq, _ = text.partition("=")
-    if not eq or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (an option as `mlx-h2o options NAME` prints them), got {text!r}")
+    """argparse type of --kv-option: KEY=VALUE, as options.parse_key_values reads it."""
+    from ..options import parse_key_values
+
+    try:
+        parse_key_values([text])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (an option as `mlx-h2o options NAME` prints them), got {text!r}") from None
     return text
 
 

@@ -49,7 +49,7 @@ def parse_specs(specs: Sequence[str], max_kv_sizes: Sequence[int] = (), options:
         parsed.append((policy, policy.parse_options(parse_key_values(list(filter(None, rest.split(","))), "policy option"))))
     shared = dict(options or {})
     for key in shared:
-        if not any(o.name == key for policy, _ in parsed for o in policy.options):
+        if not any(policy.takes(key) for policy, _ in parsed):
             listed = "; ".join(f"{p.name}: {', '.join(o.name for o in p.options) or 'no options'}" for p in {p.name: p for p, _ in parsed}.values())
             raise ValueError(f"option {key!r} is not an option of any listed policy ({listed}); "
                              "`mlx-h2o options NAME` prints a policy's options")
@@ -58,7 +58,7 @@ def parse_specs(specs: Sequence[str], max_kv_sizes: Sequence[int] = (), options:
         name = policy.name
         given = {}
         for key, text in shared.items():
-            if key in own or not any(o.name == key for o in policy.options):
+            if key in own or not policy.takes(key):
                 continue
             try:
                 given[key] = policy.option(key).parse(text)

@@ -14,7 +14,7 @@ from .columns import ColumnedKV
 from .kv import KVStorage, KVStore, TieredKV, make_kv_storage, role_bits
 from .reserved import ReservedBuffer, check_capacity
 from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, KVRotation, RotatedKV
-from .rows import GROW_STEP, RowStore, check_group_size, gather_rows, grown_capacity, pad_indices
+from .rows import GROW_STEP, RowStore, check_group_size, flat_rows, gather_rows, grown_capacity, pad_indices
 from .wrapper import KVWrapper
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "TieredKV",
     "check_capacity",
     "check_group_size",
+    "flat_rows",
     "gather_rows",
     "grown_capacity",
     "make_kv_storage",

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from .kv import KVStorage
 from .wrapper import KVWrapper
-from .rows import gather_rows, grown_capacity, pad_indices
+from .rows import capacity_for, flat_rows, gather_rows, grow_rows, pad_indices
 
 
 class ColumnedKV(KVWrapper):
@@ -23,11 +23,6 @@ class ColumnedKV(KVWrapper):
         super().__init__(rows)
         self.dtypes = dict(dtypes)
         self.columns: Optional[Dict[str, mx.array]] = None  # name -> (B, H, capacity)
-
-    @property
-    def shape(self):
-        """(B, H) of the rows held, or None before the first append."""
-        return None if self.columns is None else tuple(next(iter(self.columns.values())).shape[:2])
 
     def column(self, name: str) -> mx.array:
         """Column `name` of the held entries, (B, H, length)."""
@@ -40,11 +35,9 @@ class ColumnedKV(KVWrapper):
     def write_column_at(self, name: str, idx: mx.array, values: mx.array) -> None:
         """Overwrite column `name` at entries idx (B, H, n) with `values` (B, H, n)."""
         a = self.columns[name]
-        B, H, C = a.shape
-        flat = (idx + (mx.arange(B * H, dtype=idx.dtype) * C).reshape(B, H, 1)).reshape(-1)
         f = a.reshape(-1)
-        f[flat] = values.reshape(-1).astype(a.dtype)
-        self.columns[name] = f.reshape(B, H, C)
+        f[flat_rows(idx, a.shape[2])] = values.reshape(-1).astype(a.dtype)
+        self.columns[name] = f.reshape(a.shape)
 
     def append(self, keys, values, capacity=None, **columns) -> None:
         """Rows as `KVStorage.append`, and each column's values (B, H, L) for them."""
@@ -52,9 +45,11 @@ class ColumnedKV(KVWrapper):
             raise ValueError(f"append needs the columns {sorted(self.dtypes)}, got {sorted(columns)}")
         B, H, L = keys.shape[:3]
         n = self.length
-        if self.columns is None or n + L > self.columns_capacity:
-            cap = grown_capacity(n + L) if capacity is None else max(capacity, n + L)
-            self._reserve(B, H, cap)
+        if self.columns is None:
+            cap = capacity_for(L, capacity)
+            self.columns = {k: mx.zeros((B, H, cap), getattr(mx, d)) for k, d in self.dtypes.items()}
+        elif n + L > self.columns_capacity:
+            self.columns = dict(zip(self.columns, grow_rows(self.columns.values(), n, capacity_for(n + L, capacity))))
         self.inner.append(keys, values, capacity)
         for name, v in columns.items():
             self.columns[name][..., n : n + L] = mx.broadcast_to(v, (B, H, L)).astype(getattr(mx, self.dtypes[name]))
@@ -62,14 +57,6 @@ class ColumnedKV(KVWrapper):
     @property
     def columns_capacity(self) -> int:
         return 0 if self.columns is None else next(iter(self.columns.values())).shape[2]
-
-    def _reserve(self, B: int, H: int, capacity: int) -> None:
-        n = self.length if self.columns is not None else 0
-        fresh = {k: mx.zeros((B, H, capacity - n), getattr(mx, d)) for k, d in self.dtypes.items()}
-        if self.columns is None:
-            self.columns = fresh
-        else:
-            self.columns = {k: mx.concatenate([self.columns[k][..., :n], fresh[k]], axis=2) for k in self.dtypes}
 
     def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
         padded = pad_indices(idx, capacity)

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from .rows import RowStore, grown_capacity, pad_indices
+from .rows import RowStore, capacity_for, pad_indices
 
 
 class KVStorage(ABC):
@@ -103,7 +103,7 @@ class KVStore(KVStorage):
         ek, ev = self.k.encode(keys), self.v.encode(values)
         needed = self.length + keys.shape[2]
         if needed > self.capacity:
-            capacity = grown_capacity(needed) if capacity is None else max(capacity, needed)
+            capacity = capacity_for(needed, capacity)
             self.k.reserve(ek, self.length, capacity)
             self.v.reserve(ev, self.length, capacity)
         self.k.write(self.length, ek)

@@ -33,13 +33,30 @@ def pad_indices(idx: mx.array, capacity: int) -> mx.array:
     return mx.concatenate([idx, mx.zeros((*idx.shape[:2], capacity - keep), idx.dtype)], axis=2)
 
 
+def capacity_for(needed: int, capacity: Optional[int]) -> int:
+    """Rows a buffer that must hold `needed` grows to: the stated `capacity` (at least `needed`), or
+    the next GROW_STEP multiple."""
+    return grown_capacity(needed) if capacity is None else max(capacity, needed)
+
+
+def flat_rows(idx: mx.array, C: int) -> mx.array:
+    """Row indices idx (B, H, k) into (B, H, C) buffers as indices into their B * H * C flattened rows."""
+    B, H = idx.shape[:2]
+    return (idx + (mx.arange(B * H, dtype=idx.dtype) * C).reshape(B, H, 1)).reshape(-1)
+
+
+def grow_rows(arrays, length: int, capacity: int) -> tuple:
+    """(B, H, C, ...) buffers keeping their first `length` rows, with room for `capacity`."""
+    return tuple(mx.concatenate([a[:, :, :length], mx.zeros((*a.shape[:2], capacity - length, *a.shape[3:]), a.dtype)], axis=2)
+                 for a in arrays)
+
+
 def gather_rows(a: mx.array, idx: mx.array) -> mx.array:
     """Rows idx (B, H, k) of a (B, H, C, ...) per (batch, head), every index < C. One `take` over
     the flattened rows: on CPU about 3× faster than take_along_axis, which gathers element by
     element (a 512-row K buffer of SmolLM2: 45 vs 141 µs)."""
     B, H, C = a.shape[:3]
-    base = (mx.arange(B * H, dtype=idx.dtype) * C).reshape(B, H, 1)
-    rows = mx.take(a.reshape(B * H * C, *a.shape[3:]), (idx + base).reshape(-1), axis=0)
+    rows = mx.take(a.reshape(B * H * C, *a.shape[3:]), flat_rows(idx, C), axis=0)
     return rows.reshape(B, H, idx.shape[2], *a.shape[3:])
 
 
@@ -78,12 +95,10 @@ class RowStore:
 
     def reserve(self, like: Tuple[mx.array, ...], length: int, capacity: int) -> None:
         """Make room for `capacity` rows, keeping the first `length`; `like` gives shapes and dtypes."""
-        kept = length if self.arrays is not None else 0
-        fresh = [mx.zeros((*a.shape[:2], capacity - kept, a.shape[3]), a.dtype) for a in like]
         if self.arrays is None:
-            self.arrays = tuple(fresh)
+            self.arrays = tuple(mx.zeros((*a.shape[:2], capacity, *a.shape[3:]), a.dtype) for a in like)
         else:
-            self.arrays = tuple(mx.concatenate([a[:, :, :length], f], axis=2) for a, f in zip(self.arrays, fresh))
+            self.arrays = grow_rows(self.arrays, length, capacity)
 
     def write(self, start: int, rows: Tuple[mx.array, ...]) -> None:
         n = rows[0].shape[2]
@@ -93,7 +108,7 @@ class RowStore:
     def write_at(self, idx: mx.array, rows: mx.array) -> None:
         """Overwrite rows idx (B, H, n) with dense `rows` (B, H, n, ...), encoded in this format."""
         B, H, C = self.arrays[0].shape[:3]
-        flat = (idx + (mx.arange(B * H, dtype=idx.dtype) * C).reshape(B, H, 1)).reshape(-1)
+        flat = flat_rows(idx, C)
         enc = self.encode(rows.astype(self.dtype))
         out = []
         for a, r in zip(self.arrays, enc):

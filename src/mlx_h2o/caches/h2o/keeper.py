@@ -62,7 +62,7 @@ class Keeper:
         if self.merge is not None and not config.storage.single_format:
             raise ValueError("merge rewrites kept rows in place: it needs one storage format (kv_bits without a '/')")
         M, sink = config.budget.max_kv_size, config.budget.sink
-        if self.evicted_bits is not None and M - int(round(self.evicted_share * M)) <= sink:
+        if self.evicted_bits is not None and M - self._share(M) <= sink:
             raise ValueError(f"evicted_share={self.evicted_share} leaves no entry beyond the sink in the cache")
 
     @property
@@ -75,7 +75,10 @@ class Keeper:
         keeps at least one entry beyond its sink."""
         if self.evicted_bits is None:
             return 0
-        return min(int(round(self.evicted_share * budget.max_kv_size)), budget.max_kv_size - budget.sink - 1)
+        return min(self._share(budget.max_kv_size), budget.max_kv_size - budget.sink - 1)
+
+    def _share(self, M: int) -> int:
+        return int(round(self.evicted_share * M))
 
     def split(self, budget, storage, head_dims, itemsize: int):
         """(the budget in force, the archive's size in entries): of the bytes of the budget's M entries

@@ -13,6 +13,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ...options import Choice, Float, Int, option
+from ...storage import flat_rows
 from .scoring import SCORE_RULES, ScoreRule, make_rule
 
 
@@ -143,7 +144,7 @@ def chunk_priority(priority: mx.array, positions: mx.array, chunk: int) -> mx.ar
     cid = positions // chunk
     starts = mx.concatenate([mx.ones((B, H, 1), mx.int32), (cid[..., 1:] != cid[..., :-1]).astype(mx.int32)], axis=-1)
     rank = mx.cumsum(starts, axis=-1) - 1  # dense chunk index within (b, h)
-    flat = (rank + (mx.arange(B * H, dtype=mx.int32) * N).reshape(B, H, 1)).reshape(-1)
+    flat = flat_rows(rank.astype(mx.int32), N)
     sums = mx.zeros((B * H * N,), priority.dtype).at[flat].add(priority.reshape(-1))
     return sums[flat].reshape(B, H, N)
 
