@@ -1,6 +1,7 @@
 """CPU kernels for the layers of every mlx-lm model, switched in with no model edits:
 
 - `quantized_matmul` for `nn.QuantizedLinear` and `nn.QuantizedEmbedding.as_linear` (the tied lm_head);
+- the same for the tensor-parallel quantized layers mlx-lm's `model.shard` puts in their place;
 - `rms_norm` for `nn.RMSNorm` and `rope` for `nn.RoPE` (integer offsets): on the CPU MLX runs its fast
   ops as composed fallbacks, 11 and 29 primitives a call, two of each per layer: most of a decode
   step's primitives, each paying dispatch. Here each is one primitive.
@@ -23,6 +24,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear, sum_gradients
 
 from ._native import _ext
 
@@ -62,7 +64,7 @@ def _kernel_handles(layer) -> bool:
         getattr(layer, "mode", "affine") == "affine"
         and layer.bits in KERNEL_BITS
         and layer.group_size in KERNEL_GROUP_SIZES
-        and "biases" in layer
+        and layer.get("biases") is not None
         and _on_cpu()
     )
 
@@ -142,12 +144,36 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
         return _packed_matmul(self, x)
 
 
+class KernelQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
+    """Tensor parallel (mlx-lm's `model.shard`): this rank's slice of the output columns, by the
+    integer-dot kernel, so that sharded and single-rank models run the same arithmetic."""
+
+    def __call__(self, x):
+        if not _kernel_handles(self):
+            return super().__call__(x)
+        y = _packed_matmul(self, sum_gradients(self.group)(x))
+        return y + self["bias"] if "bias" in self else y
+
+
+class KernelQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
+    """Tensor parallel: this rank's slice of the input columns by the integer-dot kernel, summed over
+    the group. The slices start at multiples of the group size, so x's int8 blocks are one rank's."""
+
+    def __call__(self, x):
+        if not _kernel_handles(self):
+            return super().__call__(x)
+        y = mx.distributed.all_sum(_packed_matmul(self, x), group=self.group)
+        return y + self["bias"] if "bias" in self else y
+
+
 # stock class -> ours. Only exact instances are switched: a subclass may override the call.
 KERNEL_CLASSES = {
     nn.RMSNorm: KernelRMSNorm,
     nn.RoPE: KernelRoPE,
     nn.QuantizedLinear: KernelQuantizedLinear,
     nn.QuantizedEmbedding: KernelQuantizedEmbedding,
+    QuantizedAllToShardedLinear: KernelQuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear: KernelQuantizedShardedToAllLinear,
 }
 _STOCK_CLASSES = {ours: stock for stock, ours in KERNEL_CLASSES.items()}
 

@@ -20,9 +20,11 @@ import json
 from mlx_lm.models import cache as lm_cache
 
 from .. import hook
+from ..distributed import check_saved_ranks, process_ranks
 
 SAVE_FORMAT = 2  # mlx-h2o 0.1.0 wrote format 1 (unversioned states); a class may move on (save_format)
 FORMAT_KEY = "mlx_h2o_save_format"
+RANKS_KEY = "ranks"  # [rank, size] of the process that saved the cache, when it was one of several
 # Save format -> the mlx-h2o release that first wrote it, for error messages (format 3: the h2o cache
 # of parts, whose rows carry their bookkeeping as columns).
 FORMAT_RELEASES = {1: "0.1.0", 2: "0.2.0", 3: "0.3.0"}
@@ -66,7 +68,8 @@ class SavedCache(lm_cache._BaseCache):
 
     @property
     def meta_state(self) -> str:
-        return json.dumps({FORMAT_KEY: self.save_format, **self._meta()})
+        ranks = process_ranks()  # a rank's cache holds its heads or layers only (distributed.py)
+        return json.dumps({FORMAT_KEY: self.save_format, **self._meta(), **({RANKS_KEY: ranks} if ranks else {})})
 
     @meta_state.setter
     def meta_state(self, value) -> None:
@@ -80,6 +83,7 @@ class SavedCache(lm_cache._BaseCache):
     def state(self, value):
         paired = isinstance(value, (tuple, list)) and len(value) == 2  # 0.1.0 states were flat tuples or dicts
         meta = parse_meta(type(self), value[1] if paired else None)
+        check_saved_ranks(meta.get(RANKS_KEY), f"this {type(self).__name__}")
         self._restore(value[0], meta)
 
     @classmethod

@@ -44,8 +44,10 @@ class H2OKVCache(AttendingCache):
     save_format = 3
     _COUNTERS = ("offset", "length", "peak", "evictions", "scoreless", "scale", "budget_allocated", "shape", "head_dims", "row_dtype")
 
-    def __init__(self, config: H2OConfig, seed: int = 0):
+    def __init__(self, config: H2OConfig, seed: int = 0, group: Optional[mx.distributed.Group] = None):
         self.config, self.seed = config, seed  # the policy's; this layer's rotation's seed
+        # tensor parallel: the ranks holding this layer's other heads; choices shared by heads all-reduce over them
+        self.group = group
         self.layer_budget = config.budget  # this layer's (M may differ from the policy's: layer_budget, spread.py)
         # dispersion: the model's caches share a group that fixes every layer's M when the first fills (spread.py)
         self.budget_group, self.budget_index = None, 0
@@ -148,7 +150,7 @@ class H2OKVCache(AttendingCache):
         """Keep `keep` entries per head (the budget's protected, the scorer's best); the keeper takes the rest."""
         capacity, recent = self.budget.buffer_capacity(self.offset, keep + L), self.budget.recent_kept(self.offset, keep)
         chosen = choose_entries(self.lanes, self.shape, self.budget, self.config.scorer, self.offset, keep, capacity, recent,
-                                self.scoreless, self.scale)
+                                self.scoreless, self.scale, self.group)
         for lane, idx, kept in chosen:
             self.config.keeper.evict(lane, idx, kept, recent, capacity - keep + kept, self.config.scorer.rule, self.offset, self.scoreless)
         self.length, self.evictions = keep, self.evictions + 1
@@ -175,10 +177,11 @@ class H2OKVCache(AttendingCache):
 
     def _meta(self):
         return {"config": self.config.to_json(), "seed": self.seed, "layer_max_kv_size": self.layer_budget.max_kv_size,
-                **{k: getattr(self, k) for k in self._COUNTERS}}
+                "tensor_parallel": self.group is not None, **{k: getattr(self, k) for k in self._COUNTERS}}
 
     def _restore(self, payload, meta):
-        self.__init__(H2OConfig.from_json(meta["config"]), meta["seed"])
+        # the process's ranks were checked against the file's (SavedCache): a tensor-parallel cache is the world's
+        self.__init__(H2OConfig.from_json(meta["config"]), meta["seed"], mx.distributed.init() if meta.get("tensor_parallel") else None)
         self.set_layer_budget(meta["layer_max_kv_size"])  # (budget_allocated as saved, below)
         if payload is not None:
             self._start(*meta["shape"], meta["head_dims"], meta["row_dtype"])

@@ -3,6 +3,7 @@ highest priorities for the rest, per kv head or per layer (`select`)."""
 
 import mlx.core as mx
 
+from ...distributed import all_sum
 from ...storage import pad_indices
 from .spread import adaptive_lane_selection
 
@@ -31,35 +32,54 @@ def entry_priority(scorer, acc, positions, offset, scoreless: bool, *content) ->
 _EVICTION_PLANS = {}
 
 
-def eviction_plan(budget, scorer, scoreless: bool):
+def eviction_plan(budget, scorer, scoreless: bool, group=None):
     """plan(acc, positions, offset, recent_from, keep, capacity, *content) -> (B, H, capacity)
     indices of the entries to keep (ascending), padded for a gather into buffers of `capacity` rows:
     the scorer's priorities (`content` is Lane.content() when the scorer reads keys, else empty), with
     the budget's protected entries (recent: positions >= recent_from) forced in. Compiled once per
     configuration and shape and shared by every layer: ~15 small ops per layer and step become one
-    fused call (150 -> 46 µs at M = 512)."""
+    fused call (150 -> 46 µs at M = 512). Tensor parallel (`group`), a set shared by the heads
+    (select='layer') ranks the priorities summed over every rank's heads: the plan all-reduces
+    between its two compiled halves, and every rank keeps the positions one rank would."""
+    shared = budget.select == "layer"
     key = (budget, scorer, scoreless)
     if key not in _EVICTION_PLANS:
 
-        def plan(acc, positions, offset, recent_from, keep, capacity, *content):
+        def priorities(acc, positions, offset, *content):
             priority = entry_priority(scorer, acc, positions, offset, scoreless, *content)
-            idx = select_entries(priority, budget.protected(positions, recent_from), keep, budget.select == "layer")
-            return pad_indices(mx.broadcast_to(idx, (*acc.shape[:2], keep)), capacity)
+            return priority.sum(axis=1, keepdims=True) if shared else priority
 
-        _EVICTION_PLANS[key] = mx.compile(plan)
-    return _EVICTION_PLANS[key]
+        def choose(priority, positions, recent_from, keep, capacity):
+            idx = select_entries(priority, budget.protected(positions, recent_from), keep, shared)
+            return pad_indices(mx.broadcast_to(idx, (*positions.shape[:2], keep)), capacity)
+
+        def plan(acc, positions, offset, recent_from, keep, capacity, *content):
+            return choose(priorities(acc, positions, offset, *content), positions, recent_from, keep, capacity)
+
+        _EVICTION_PLANS[key] = mx.compile(plan), mx.compile(priorities), mx.compile(choose)
+    plan, priorities, choose = _EVICTION_PLANS[key]
+    if group is None or not shared:
+        return plan
+
+    def across_ranks(acc, positions, offset, recent_from, keep, capacity, *content):
+        priority = all_sum(priorities(acc, positions, offset, *content), group)
+        return choose(priority, positions, recent_from, keep, capacity)
+
+    return across_ranks
 
 
-def choose_entries(lanes, shape, budget, scorer, offset: int, keep: int, capacity: int, recent: int, scoreless: bool, scale):
+def choose_entries(lanes, shape, budget, scorer, offset: int, keep: int, capacity: int, recent: int, scoreless: bool, scale,
+                   group=None):
     """[(lane, indices of the entries it keeps, how many)] for an eviction to `keep` entries per head:
     one compiled plan for a layer-wide lane (padded to `capacity`); with per-head lanes, one budget of
-    H x keep per batch row shared by priority (spread.adaptive_lane_selection)."""
+    H x keep per batch row shared by priority (spread.adaptive_lane_selection). `group`: the ranks
+    holding the layer's other heads (tensor parallel), for the choices the heads share."""
     content = [lane.content(scale) if scorer.uses_keys and not scoreless else () for lane in lanes]
-    if len(lanes) == 1:
+    if budget.head_budget != "adaptive":  # one lane; adaptive heads are a lane each (one on a rank holding one head)
         acc, pos = lanes[0].store.column("acc"), lanes[0].store.column("pos")
-        plan = eviction_plan(budget, scorer, scoreless)
+        plan = eviction_plan(budget, scorer, scoreless, group)
         return [(lanes[0], plan(acc, pos, mx.array(offset, mx.int32), mx.array(offset - recent, mx.int32), keep, capacity, *content[0]), keep)]
     pos = [lane.store.column("pos") for lane in lanes]
     priorities = [entry_priority(scorer, lane.store.column("acc"), p, offset, scoreless, *c) for lane, p, c in zip(lanes, pos, content)]
     protected = [budget.protected(p, offset - recent) for p in pos]
-    return adaptive_lane_selection(lanes, shape, priorities, protected, keep, budget.heavy)
+    return adaptive_lane_selection(lanes, shape, priorities, protected, keep, budget.heavy, group)

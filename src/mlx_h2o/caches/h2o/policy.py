@@ -1,6 +1,7 @@
 """The "h2o" policy: one h2o cache per layer, with the budget spread over layers as `layer_budget`
 says (spread.py)."""
 
+from ...distributed import model_group, tensor_group
 from ...options import Policy
 from .. import per_layer_caches, register_policy
 from .cache import H2OKVCache
@@ -21,15 +22,16 @@ def _h2o_caches(model, **options):
     """An h2o cache on every plain KVCache layer (sliding-window and other special layers keep the
     model's own cache); layer i's rotation is seeded with i."""
     config = H2OConfig.build(**options)
-    caches = per_layer_caches(model, lambda i: H2OKVCache(config, seed=i))
+    group = tensor_group(model)
+    caches = per_layer_caches(model, lambda i: H2OKVCache(config, seed=i, group=group))
     layers = [c for c in caches if isinstance(c, H2OKVCache)]
     if config.budget.layer_budget == "pyramid":
         for c, m in zip(layers, layer_budgets(config.budget, pyramid_weights(len(layers)))):
             c.set_layer_budget(m)
     elif config.budget.layer_budget == "dispersion":
-        group = LayerBudgetGroup(config.budget)
+        budgets = LayerBudgetGroup(config.budget, model_group(model))
         for c in layers:
-            c.budget_group, c.budget_index = group, group.add(c)
+            c.budget_group, c.budget_index = budgets, budgets.add(c)
     return caches
 
 

@@ -23,6 +23,7 @@ from typing import List, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ...distributed import all_sum
 from .budget import Budget
 
 PYRAMID_SLOPE = 0.5
@@ -75,8 +76,8 @@ class LayerBudgetGroup:
     """The h2o caches of one model under `layer_budget="dispersion"`: they report their attention
     entropy until the first of them fills, then `allocate` fixes every layer's budget at once."""
 
-    def __init__(self, budget: Budget):
-        self.budget = budget
+    def __init__(self, budget: Budget, group=None):
+        self.budget, self.group = budget, group  # the ranks holding the model's other heads or layers
         self.caches = []
         self.entropy: List[float] = []
         self.calls: List[int] = []
@@ -100,7 +101,9 @@ class LayerBudgetGroup:
             self.allocate()
 
     def allocate(self) -> None:
-        weights = [e / max(c, 1) for e, c in zip(self.entropy, self.calls)]
+        # Distributed, each rank saw its own heads or layers: the sums over the group are the whole model's.
+        seen = np.array(all_sum(mx.array([self.entropy, self.calls], mx.float32), self.group))
+        weights = [e / max(c, 1) for e, c in zip(*seen)]
         for cache, m in zip(self.caches, layer_budgets(self.budget, weights)):
             cache.set_layer_budget(m)
         self.allocated = True
@@ -127,16 +130,28 @@ def adaptive_head_selection(priority: mx.array, protected: mx.array, valid: mx.a
     return mask.reshape(B, H, C)
 
 
-def adaptive_lane_selection(lanes, shape, priorities, protected, keep: int, heavy: int):
+def adaptive_lane_selection(lanes, shape, priorities, protected, keep: int, heavy: int, group=None):
     """[(lane, indices (1, 1, n) of its entries to keep, n)] for per-head lanes (one per (batch row,
     kv head), b-major): one budget of H x keep per batch row shared by priority
-    (adaptive_head_selection). priorities, protected: per lane, (1, 1, lane length)."""
+    (adaptive_head_selection). priorities, protected: per lane, (1, 1, lane length). Tensor parallel
+    (`group`: the ranks holding the other heads, rank r the r-th slice), the choice is over every
+    rank's heads: each gathers all of them, chooses as one rank would, and keeps its own."""
     C = max(lane.length for lane in lanes)
+    if group is not None:
+        C = int(mx.distributed.all_max(mx.array(C), group=group).item())  # one padded width on every rank
 
     def padded(xs, fill):
-        return mx.concatenate([mx.pad(x, [(0, 0), (0, 0), (0, C - x.shape[-1])], constant_values=fill) for x in xs], axis=1).reshape(*shape, C)
+        x = mx.concatenate([mx.pad(x, [(0, 0), (0, 0), (0, C - x.shape[-1])], constant_values=fill) for x in xs], axis=1)
+        x = x.reshape(*shape, C)
+        if group is None:
+            return x
+        return mx.distributed.all_gather(x.swapaxes(0, 1), group=group).swapaxes(0, 1)  # (B, every rank's heads, C)
 
+    H = shape[1] * (1 if group is None else group.size())
     valid = padded([mx.ones((1, 1, lane.length), mx.int32) for lane in lanes], 0).astype(mx.bool_)
     guard = padded([p.astype(mx.int32) for p in protected], 0).astype(mx.bool_)
-    kept = np.array(adaptive_head_selection(padded(priorities, 0.0), guard, valid, shape[1] * keep, heavy)).reshape(-1, C)
+    kept = adaptive_head_selection(padded(priorities, 0.0), guard, valid, H * keep, heavy)
+    if group is not None:
+        kept = kept[:, group.rank() * shape[1] : (group.rank() + 1) * shape[1]]
+    kept = np.array(kept).reshape(-1, C)
     return [(lane, mx.array(np.nonzero(row)[0].astype(np.int32))[None, None], int(row.sum())) for lane, row in zip(lanes, kept)]
