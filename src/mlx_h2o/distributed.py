@@ -18,6 +18,7 @@ Caches saved on a rank record the group (rank, size) and load only on that rank 
 size: a rank's file holds its own heads.
 """
 
+import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -172,6 +173,19 @@ def pipeline(model: nn.Module, group: Optional[mx.distributed.Group] = None) -> 
         block.__class__ = _staged_class(type(block))
         object.__setattr__(block, "_pipeline_stage", stage)
     return model
+
+
+class SharesGroup:
+    """Deep copies share the `group` attribute: an mx.distributed.Group cannot be copied, and a copy of
+    a cache (mlx-lm's server copies one per request) lives on the same ranks."""
+
+    def __deepcopy__(self, memo):
+        out = copy.copy(self)
+        memo[id(self)] = out
+        for key, value in vars(self).items():
+            if key != "group":
+                setattr(out, key, copy.deepcopy(value, memo))
+        return out
 
 
 def all_sum(x: mx.array, group: Optional[mx.distributed.Group]) -> mx.array:

@@ -1,6 +1,8 @@
 """The kinds of values policy options take (options.py): each checks a Python value, normalising it,
 parses the text form of one and describes itself for the docs' option tables."""
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
@@ -137,3 +139,62 @@ class Custom:
 
     def describe(self) -> str:
         return self.description
+
+
+# A byte count in text: decimal units are powers of 1000 (as disks and network rates are sold),
+# binary ones powers of 1024 (as memory is addressed); "64MB" = 64 x 10^6, "64MiB" = 64 x 2^20.
+BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_BYTE_TEXT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+class ByteCount(int):
+    """A number of bytes that remembers the unit it was written in ("MB"), so that a message about
+    it can answer in the user's units (`in_unit`)."""
+
+    unit = "B"
+
+    def __new__(cls, value: int, unit: str = "B"):
+        obj = super().__new__(cls, value)
+        obj.unit = unit
+        return obj
+
+    def in_unit(self, n: int) -> str:
+        """`n` bytes in this count's unit, rounded up (a smallest budget must still suffice): "5.63MB"."""
+        if self.unit == "B":
+            return f"{n} B"
+        scale = BYTE_UNITS[self.unit]
+        value = n / scale
+        digits = 2 if value < 100 else 1 if value < 1000 else 0
+        step = 10**-digits
+        shown = math.ceil(value / step - 1e-9) * step  # up, ignoring float noise below a billionth of a step
+        return f"{shown:.{digits}f}{self.unit}"
+
+
+def parse_bytes(name: str, text: str) -> ByteCount:
+    """"64MB", "1.5GiB", "512KB", "1000000" -> a ByteCount (whole bytes, rounded down: a budget is a ceiling)."""
+    m = _BYTE_TEXT.match(text)
+    units = {u.lower(): u for u in BYTE_UNITS}
+    unit = units.get((m.group(2) or "B").lower()) if m else None
+    if unit is None:
+        raise ValueError(f"{name} must be a number of bytes, e.g. 67108864, '64MB' or '1.5GiB' "
+                         f"(units {', '.join(BYTE_UNITS)}), got {text!r}")
+    return ByteCount(int(float(m.group(1)) * BYTE_UNITS[unit]), unit)
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """A positive number of bytes: an integer, or text with a unit (BYTE_UNITS)."""
+
+    def check(self, name, value):
+        if isinstance(value, str):
+            value = parse_bytes(name, value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a number of bytes >= 1 (an integer, or text such as '64MB' or '1.5GiB'), got {value!r}")
+        return value if isinstance(value, ByteCount) else ByteCount(value)
+
+    def parse(self, name, text: str):
+        return parse_bytes(name, text.strip())
+
+    def describe(self) -> str:
+        return "bytes: integer or `64MB`, `1.5GiB` (MB = 10^6, MiB = 2^20)"

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
 
-from .option_kinds import Choice, Custom, Flag, Float, Int, check_choice, check_int  # noqa: F401  (the kinds options take)
+from .option_kinds import Bytes, Choice, Custom, Flag, Float, Int, check_choice, check_int  # noqa: F401  (the kinds options take)
 
 # -------------------------------------------------------------------------------------------- options
 
@@ -28,6 +28,7 @@ class Option:
     kind: Any
     default: Any = None
     help: str = ""
+    instead: Tuple[str, ...] = ()  # options a required one may be replaced by (max_kv_size: max_kv_bytes)
 
     @property
     def required(self) -> bool:
@@ -45,14 +46,15 @@ class Option:
 
     def describe_default(self) -> str:
         if self.required:
-            return "required"
+            return "required" + "".join(f" (or `{n}`)" for n in self.instead)
         return "unset" if self.default is None else f"`{json.dumps(self.default) if isinstance(self.default, bool) else self.default}`"
 
 
-def option(kind, default=None, help: str = ""):
+def option(kind, default=None, help: str = "", instead: Tuple[str, ...] = ()):
     """A dataclass field that is also a policy option named after the field: the parts of a policy
-    declare their options once, as fields (`options_of` makes the table)."""
-    return field(default=None if default is REQUIRED else default, metadata={"option": (kind, default, help)})
+    declare their options once, as fields (`options_of` makes the table). A required option may
+    name options that can be given `instead` (it is then None)."""
+    return field(default=None if default is REQUIRED else default, metadata={"option": (kind, default, help, tuple(instead))})
 
 
 def options_of(*classes) -> Tuple[Option, ...]:
@@ -78,10 +80,10 @@ def check_options(policy: str, table: Sequence[Option], options: Mapping[str, An
     for o in table:
         if o.name in options:
             checked[o.name] = o.check(options[o.name])
-        elif o.required:
-            raise ValueError(f"policy {policy!r} needs {o.name} ({o.help})")
+        elif o.required and not any(options.get(n) is not None for n in o.instead):
+            raise ValueError(f"policy {policy!r} needs {' or '.join((o.name, *o.instead))} ({o.help})")
         else:
-            checked[o.name] = o.default
+            checked[o.name] = None if o.required else o.default
     return checked
 
 

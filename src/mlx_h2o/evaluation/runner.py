@@ -67,7 +67,7 @@ def parse_specs(specs: Sequence[str], max_kv_sizes: Sequence[int] = (), options:
         opts = {**given, **own}
         if given and "max_kv_size" in opts:
             opts = {"max_kv_size": opts["max_kv_size"], **opts}  # the budget first, as in the labels
-        if policy.bounded and "max_kv_size" not in opts:
+        if policy.bounded and not {"max_kv_size", "max_kv_bytes"} & set(opts):
             if not max_kv_sizes:
                 raise ValueError(f"policy {name!r} needs a budget: give --max-kv-size, --kv-option max_kv_size=M or {name}:max_kv_size=M")
             out += [PolicySpec(name, {"max_kv_size": m, **opts}) for m in max_kv_sizes]

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ...options import REQUIRED, Choice, Custom, Int, check_int, option
+from ...options import REQUIRED, Bytes, Choice, Custom, Int, check_int, option
 from ...storage import grown_capacity
 
 SPLITS = ("heavy", "balanced", "recent", "explicit")
@@ -17,6 +17,17 @@ SPLIT_HEAVY_FRACTION = {"heavy": 1 / 2, "balanced": 1 / 4, "recent": 1 / 8}
 # Default evict_every = M // 16: a compaction (~0.2 ms a layer on the CPU, most of it fixed cost) once per
 # M/16 tokens instead of every token, for ~3 % fewer entries held on average (docs/h2o.md, "eviction").
 DEFAULT_EVICT_DIVISOR = 16
+
+
+def _check_byte_budget(split, pin, rest) -> None:
+    """A byte budget bounds every entry the cache holds, so it sizes one M for every layer and head,
+    and nothing may live outside M."""
+    if split == "explicit":
+        raise ValueError("max_kv_bytes chooses M, so heavy and recent come from split (heavy, balanced or recent), not split='explicit'")
+    if pin:
+        raise ValueError("max_kv_bytes bounds every entry held; pinned spans live outside the budget: give max_kv_size to pin")
+    if rest.get("layer_budget", "uniform") != "uniform" or rest.get("head_budget", "uniform") != "uniform":
+        raise ValueError("max_kv_bytes sizes one M for every layer and kv head: it needs layer_budget='uniform' and head_budget='uniform'")
 
 
 def _parse_spans(name, text: str):
@@ -62,9 +73,13 @@ class Budget:
         how M is spread over layers and over the kv heads of a layer (spread.py).
     pin:
         token ranges never evicted, outside M.
+    max_kv_bytes:
+        instead of M, bytes per sequence over all h2o layers; M (and the storage, bytes.py) is
+        resolved from it when the first keys show the model's shape. Until then M is None.
     """
 
-    max_kv_size: int = option(Int(1), REQUIRED, "KV budget M per kv head: sink + heavy + recent entries")
+    max_kv_size: Optional[int] = option(Int(1), REQUIRED, "KV budget M per kv head: sink + heavy + recent entries",
+                                        instead=("max_kv_bytes",))
     split: str = option(Choice(SPLITS), "heavy",
                         "budget split: `heavy` (heavy hitters M/2), `balanced` (M/4), `recent` (M/8), `explicit` (give heavy and recent)")
     sink: int = option(Int(0), 4, "first tokens always kept")
@@ -82,11 +97,21 @@ class Budget:
         "heavy entries per kv head: `uniform` (the same per head) or `adaptive` (one budget per layer, shared by its heads by priority; Ada-KV)")
     pin: Tuple[Tuple[int, int], ...] = option(Custom(_check_spans, _parse_spans, "spans `S:E;S:E`"), None,
                                              "token ranges never evicted (outside the budget)")
+    max_kv_bytes: Optional[int] = option(
+        Bytes(), None,
+        "instead of max_kv_size: KV bytes per sequence over all h2o layers; picks kv_bits, rotate, the archive and M "
+        "for them and never holds more (docs/h2o.md#byte-budget)")
 
     @classmethod
     def from_options(cls, max_kv_size, split, sink, heavy, recent, evict_every, pin, **rest) -> "Budget":
-        """Resolve what the options leave open: heavy and recent from `split`, evict_every from M."""
+        """Resolve what the options leave open: heavy and recent from `split`, evict_every from M. A
+        byte budget without M stays unresolved (M None) until the model's shape is known (bytes.py)."""
         M = max_kv_size
+        if M is None:
+            if rest.get("max_kv_bytes") is None:
+                raise ValueError("policy 'h2o' needs a budget: max_kv_size (entries per kv head) or max_kv_bytes (bytes per sequence)")
+            _check_byte_budget(split, pin, rest)
+            return cls(max_kv_size=None, split=split, sink=sink, heavy=heavy, recent=recent, evict_every=evict_every, pin=pin or (), **rest)
         sink = check_int("sink", sink, 0, M - 1)
         if split == "explicit":
             if heavy is None or recent is None:
@@ -98,10 +123,17 @@ class Budget:
             recent = M - sink - heavy
         if evict_every is None:
             evict_every = min(max(M // DEFAULT_EVICT_DIVISOR, 1), M - sink)
-        return cls(M, split, sink, heavy, recent, evict_every=evict_every, pin=pin or (), **rest)
+        return cls(max_kv_size=M, split=split, sink=sink, heavy=heavy, recent=recent, evict_every=evict_every, pin=pin or (), **rest)
+
+    @property
+    def resolved(self) -> bool:
+        """M is known (a byte budget resolves it at the first keys)."""
+        return self.max_kv_size is not None
 
     def __post_init__(self):
         M = self.max_kv_size
+        if M is None:  # a byte budget, resolved later (bytes.py builds the resolved budget, checked here)
+            return
         if self.sink + self.heavy + self.recent != M:
             raise ValueError(f"sink + heavy + recent must equal max_kv_size={M}, got {self.sink} + {self.heavy} + {self.recent}")
         # An eviction keeps at least the sink entries of the old context: M - evict_every >= sink.

@@ -17,6 +17,10 @@ How it fits mlx-lm without model edits:
   scores gathered so far; `make_mask` plans the same eviction, so the mask built before the layer
   runs matches the evicted layout. Rows stay in position order and new tokens are appended at the
   end, so the ordinary causal mask is right for the evicted layout.
+- A byte budget (`max_kv_bytes`, bytes.py) resolves M and the storage when the first keys show the
+  model's shape, and then never holds more than M entries: a call of more than `evict_every` tokens
+  (a prefill chunk) is stashed by `update_and_fetch` and appended and attended by `attend` in steps
+  of `evict_every`, each evicting first as decode does, so its queries see at most M entries.
 - Models whose attention bypasses mlx-lm's function (mlx-lm's gemma2 computes soft-capped attention
   inline) give no scores: the cache notices, warns once and keeps sink + the most recent entries.
 """
@@ -27,8 +31,10 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
+from ...distributed import SharesGroup
 from ..base import AttendingCache
 from .batch import BatchH2OKVCache
+from .bytes import resolve
 from .eviction import choose_entries
 from .lane import join_outputs, make_lanes
 from .options import H2OConfig
@@ -38,14 +44,17 @@ NO_SCORES = ("h2o: this model computes attention without mlx_lm.models.base.scal
              "was removed), so the cache gets no attention scores; it keeps sink + recent entries instead (a sliding window)")
 
 
-class H2OKVCache(AttendingCache):
+class H2OKVCache(SharesGroup, AttendingCache):
     """Sink + heavy hitters + recent window, per kv head; see the module docstring."""
 
     save_format = 3
     _COUNTERS = ("offset", "length", "peak", "evictions", "scoreless", "scale", "budget_allocated", "shape", "head_dims", "row_dtype")
 
-    def __init__(self, config: H2OConfig, seed: int = 0, group: Optional[mx.distributed.Group] = None):
+    def __init__(self, config: H2OConfig, seed: int = 0, group: Optional[mx.distributed.Group] = None,
+                 layers: Optional[int] = None):
         self.config, self.seed = config, seed  # the policy's; this layer's rotation's seed
+        # a byte budget: the model's h2o layers sharing max_kv_bytes (config resolved at the first keys)
+        self.layers = layers
         # tensor parallel: the ranks holding this layer's other heads; choices shared by heads all-reduce over them
         self.group = group
         self.layer_budget = config.budget  # this layer's (M may differ from the policy's: layer_budget, spread.py)
@@ -60,6 +69,7 @@ class H2OKVCache(AttendingCache):
         self.shape = self.head_dims = self.row_dtype = None  # row_dtype by name ("float16"): caches deep-copy
         self.offset = self.length = self.peak = self.evictions = 0
         self.scoreless, self._awaiting_scores, self.scale = False, False, None
+        self._pending = None  # a byte budget's multi-token call, appended in steps by attend
         self.budget, self.archive_size = self.layer_budget, 0  # in force: less the archive's share once the first rows came
 
     def set_layer_budget(self, m: int):
@@ -106,7 +116,8 @@ class H2OKVCache(AttendingCache):
         self._allocate_budgets(N)
         if not return_array:
             return "causal"
-        keep, lanes = self.budget.keep_count(self.length, self.offset, N), self.lanes or []
+        keep = None if self.lanes is None else self.budget.keep_count(self.length, self.offset, N)
+        lanes = self.lanes or []
         if len({(lane.length, lane.archived) for lane in lanes}) > 1 or (keep is not None and len(lanes) > 1):
             raise ValueError("head_budget='adaptive' keeps different entries per head: no single mask array; use 'causal'")
         mask = create_causal_mask(N, self.length if keep is None else keep)
@@ -120,10 +131,20 @@ class H2OKVCache(AttendingCache):
         self.scoreless |= self._awaiting_scores
         B, H, L, _ = keys.shape
         if self.lanes is None:
+            if not self.config.budget.resolved:
+                self._resolve(H, (keys.shape[-1], values.shape[-1]), keys.dtype.size)
             self.config.storage.check_rows(keys, values, packed=self.config.keeper.evicted_bits is not None)
             self._start(B, H, (keys.shape[-1], values.shape[-1]), str(keys.dtype).split(".")[-1])
         elif (B, H) != self.shape:
             raise ValueError(f"keys have batch/heads {(B, H)} but the cache holds {self.shape}; reset() it first")
+        if self.config.budget.max_kv_bytes is not None and L > self.budget.evict_every:
+            self._pending = (keys, values)  # attend appends them in steps (_attend_in_steps)
+            return [], None
+        return self._append(keys, values)
+
+    def _append(self, keys: mx.array, values: mx.array):
+        """Evict if the call would take the cache past M, append the rows, return what attention reads."""
+        L = keys.shape[2]
         self._allocate_budgets(L)
         keep = self.budget.keep_count(self.length, self.offset, L)
         if keep is not None:
@@ -136,6 +157,16 @@ class H2OKVCache(AttendingCache):
         self.offset, self.length = self.offset + L, self.length + L
         self.peak, self._awaiting_scores = max(self.peak, self.length), True
         return self.lanes[0].store.fetch() if len(self.lanes) == 1 else (self.lanes, None)
+
+    def _resolve(self, H: int, head_dims, itemsize: int):
+        """A byte budget's configuration and M for this model's shape (bytes.py): per sequence and layer,
+        max_kv_bytes over the h2o layers. Tensor parallel, the budget is the whole model's: each of the
+        N ranks holds H of the N x H heads and takes 1/N of the bytes, so every rank resolves the M one
+        rank would, with no communication (the group agrees by construction)."""
+        total, ranks = self.config.budget.max_kv_bytes, 1 if self.group is None else self.group.size()
+        layers = self.layers or 1
+        self.config = resolve(self.config, total // layers // ranks, H, head_dims, itemsize, total=total, layers=layers * ranks)
+        self.layer_budget = self.budget = self.config.budget
 
     def _start(self, B: int, H: int, head_dims, dtype, lanes=None):
         """The first rows fix the layout (one lane, or one per (batch row, kv head) under per-head
@@ -161,6 +192,8 @@ class H2OKVCache(AttendingCache):
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         """Attention for this layer, each lane's scores folded into its columns."""
+        if self._pending is not None:
+            return self._attend_in_steps(queries, scale=scale, sinks=sinks)
         _check_call(self.lanes, keys, values, mask)
         self.scale, outs = float(scale), []
         for lane in self.lanes:
@@ -172,17 +205,31 @@ class H2OKVCache(AttendingCache):
         self._awaiting_scores = False
         return join_outputs(outs, self.shape)
 
+    def _attend_in_steps(self, queries, *, scale, sinks):
+        """A byte budget's multi-token call: its rows appended `evict_every` at a time, each step's
+        queries attending what is held then (causal within the step), so the cache never passes M.
+        The mask the model built is causal by construction (make_mask), so each step makes its own."""
+        keys, values = self._pending
+        self._pending, step, outs = None, self.budget.evict_every, []
+        for s in range(0, keys.shape[2], step):
+            k, v = self._append(keys[:, :, s : s + step], values[:, :, s : s + step])
+            n = min(step, keys.shape[2] - s)
+            outs.append(self.attend(queries[:, :, s : s + n], k, v, scale=scale, mask="causal" if n > 1 else None, sinks=sinks))
+        return mx.concatenate(outs, axis=2)
+
     def _payload(self):  # save and load: caches/base.py's SavedCache
         return None if self.lanes is None else {"lanes": [lane.state() for lane in self.lanes]}
 
     def _meta(self):
-        return {"config": self.config.to_json(), "seed": self.seed, "layer_max_kv_size": self.layer_budget.max_kv_size,
+        return {"config": self.config.to_json(), "seed": self.seed, "layer_max_kv_size": self.layer_budget.max_kv_size, "layers": self.layers,
                 "tensor_parallel": self.group is not None, **{k: getattr(self, k) for k in self._COUNTERS}}
 
     def _restore(self, payload, meta):
         # the process's ranks were checked against the file's (SavedCache): a tensor-parallel cache is the world's
-        self.__init__(H2OConfig.from_json(meta["config"]), meta["seed"], mx.distributed.init() if meta.get("tensor_parallel") else None)
-        self.set_layer_budget(meta["layer_max_kv_size"])  # (budget_allocated as saved, below)
+        self.__init__(H2OConfig.from_json(meta["config"]), meta["seed"], mx.distributed.init() if meta.get("tensor_parallel") else None,
+                      meta.get("layers"))
+        if meta["layer_max_kv_size"] is not None:  # (None: a byte budget saved before its first keys)
+            self.set_layer_budget(meta["layer_max_kv_size"])  # (budget_allocated as saved, below)
         if payload is not None:
             self._start(*meta["shape"], meta["head_dims"], meta["row_dtype"])
             for lane, state in zip(self.lanes, payload["lanes"]):

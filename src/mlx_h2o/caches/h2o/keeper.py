@@ -122,9 +122,11 @@ class Keeper:
         keys, values = store.read_rows()
         acc, pos = gather_rows(store.column("acc"), dropped), gather_rows(store.column("pos"), dropped)
         dtype = getattr(mx, lane.row_dtype)
-        archive.append(gather_rows(keys, dropped).astype(dtype), gather_rows(values, dropped).astype(dtype),
-                       acc=acc, pos=pos)
         A = lane.archive_size
+        # Room for its size and one eviction's rows, stated: growing in GROW_STEP rows would reserve
+        # more than a byte budget counts (bytes.py).
+        archive.append(gather_rows(keys, dropped).astype(dtype), gather_rows(values, dropped).astype(dtype),
+                       A + n - keep, acc=acc, pos=pos)
         if archive.length > A:
             priority = rule.priority(archive.column("acc"), archive.column("pos"), offset)
             idx = select_entries(priority, mx.zeros(priority.shape, mx.bool_), A, False)

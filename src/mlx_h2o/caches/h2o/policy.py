@@ -25,6 +25,8 @@ def _h2o_caches(model, **options):
     group = tensor_group(model)
     caches = per_layer_caches(model, lambda i: H2OKVCache(config, seed=i, group=group))
     layers = [c for c in caches if isinstance(c, H2OKVCache)]
+    for c in layers:  # a byte budget per sequence is shared by the h2o layers (the others keep their own caches)
+        c.layers = len(layers)
     if config.budget.layer_budget == "pyramid":
         for c, m in zip(layers, layer_budgets(config.budget, pyramid_weights(len(layers)))):
             c.set_layer_budget(m)

@@ -23,7 +23,7 @@ from typing import List, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ...distributed import all_sum
+from ...distributed import SharesGroup, all_sum
 from .budget import Budget
 
 PYRAMID_SLOPE = 0.5
@@ -72,7 +72,7 @@ def attention_entropy(mass: mx.array) -> mx.array:
     return -(p * mx.log(mx.maximum(p, 1e-30))).sum(axis=-1).mean()
 
 
-class LayerBudgetGroup:
+class LayerBudgetGroup(SharesGroup):
     """The h2o caches of one model under `layer_budget="dispersion"`: they report their attention
     entropy until the first of them fills, then `allocate` fixes every layer's budget at once."""
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ...options import Choice, Flag, option
-from ...storage import DEFAULT_LAMBDA, LAMBDA_MODES, KVStorage, RotatedKV, check_group_size, make_kv_storage, role_bits
+from ...storage import DEFAULT_LAMBDA, LAMBDA_MODES, KVStorage, RotatedKV, TieredKV, check_group_size, make_kv_storage, role_bits
 
 # Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype;
 # "k8v4" = 8-bit keys with 4-bit values (keys are the sensitive half), "k4v8" the reverse.
@@ -35,6 +35,20 @@ def row_bytes(bits, head_dim_k: int, head_dim_v: int, group_size: int, itemsize:
 
     k_bits, v_bits = role_bits(bits)
     return one(k_bits, head_dim_k) + one(v_bits, head_dim_v)
+
+
+class WindowTieredKV(TieredKV):
+    """Two tiers whose low tier reserves `capacity` less the recent window: the newest `window` rows
+    live in the high tier, so an h2o cache of M entries needs only M - window low rows (the rows
+    stay where TieredKV puts them; only the reservation is smaller, a byte budget counts it)."""
+
+    def demote(self, keep_high, capacity):
+        super().demote(keep_high, None if capacity is None else max(capacity - self.window, 1))
+
+    def gather(self, idx, keep, protected_tail=0, capacity=0):
+        self.demote(protected_tail, capacity)
+        low_keep = keep - self.high.length
+        self.low.gather(idx[..., :low_keep], low_keep, capacity=max(capacity - self.window, 0))
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,8 @@ class Storage:
         rotated (seeded) or not."""
         older, recent = self.tiers()
         store = make_kv_storage(older, recent, window, self.kv_group_size)
+        if isinstance(store, TieredKV):
+            store = WindowTieredKV(older, recent, window, self.kv_group_size)
         return RotatedKV(store, seed, self.rotate_lam) if self.rotate else store
 
     def check_rows(self, keys, values, packed: bool = False) -> None:

@@ -1,0 +1,131 @@
+"""A byte budget (`max_kv_bytes`): the configuration an h2o cache picks for a number of bytes per
+sequence, and the M that fits them.
+
+The rule (docs/h2o.md, "Byte budget") is a table keyed by the budget in tokens of the full cache,
+t = bytes per sequence / the full cache's bytes per token (all h2o layers, K and V, the model's
+dtype), chosen on the tuning document set 0 only (docs/results/h2o-methods): at both budgets
+measured there (t = 128 and 256) heavy hitters at 4 bits with the recent window at 8, rotated, and
+no archive have the lowest perplexity of every cache of the same bytes. Packed rows need a head
+dimension the group size divides; otherwise the rows stay in the model's dtype.
+
+M is then the largest whose worst case fits the bytes (`layer_bound`): every row at its stored
+bits, the per-entry columns, the low tier's reservation and the high tier's window plus one step,
+the archive with room for one eviction. The cache never holds more than M entries at any moment,
+because a multi-token call is appended and attended in steps of `evict_every` tokens (cache.py), so
+no prefill chunk size needs assuming. Options the user gives win over the table: kv_bits (with
+rotate and kv_group_size as given) and evicted_bits / evicted_share; M is always the rule's.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ...storage import role_bits
+from .keeper import BOOKKEEPING_BYTES
+from .storage import row_bytes
+
+
+@dataclass(frozen=True)
+class ByteRule:
+    """One row of the table: the configuration for budgets of at least `min_tokens` tokens of the
+    full cache (packed rows: where kv_group_size divides the head dimensions).
+
+    Parameters
+    ----------
+    min_tokens:
+        the smallest budget, in tokens of the full cache, the row applies to.
+    kv_bits, rotate, evicted_bits, evicted_share:
+        the storage and the archive (keeper.py, storage.py) the row picks.
+    """
+
+    min_tokens: float
+    kv_bits: Optional[str]
+    rotate: bool
+    evicted_bits: Optional[str] = None
+    evicted_share: float = 0.5
+
+    def applies(self, tokens: float, head_dims: Tuple[int, int], group_size: int) -> bool:
+        packs = self.kv_bits is not None or self.evicted_bits is not None
+        return tokens >= self.min_tokens and (not packs or all(d % group_size == 0 for d in head_dims))
+
+
+# First row that applies wins. Set 0, ΔPPL vs the full cache at the bytes of an fp32 window of 128 /
+# 256 tokens (ppl_bytes_set0.json, ppl_bytes8_set0.json, ppl_bytes_combo_set0.json, ppl_set0.json):
+# 4/8 rotated +8.13 % / +1.15 %; 4-bit rotated h2o +10.27 % / +6.09 %; 8-bit window +11.59 % / +2.96 %;
+# 4/8 rotated + 2-bit archive +15.48 % / +5.59 %; fp32 h2o (t = 128 / 256) +40.02 % / +20.79 %.
+BYTE_RULES = (
+    ByteRule(0, "4/8", True),
+    ByteRule(0, None, False),  # head dims kv_group_size does not divide: the model's dtype
+)
+
+
+def rule_for(tokens: float, head_dims, group_size: int = 32) -> ByteRule:
+    return next(r for r in BYTE_RULES if r.applies(tokens, tuple(head_dims), group_size))
+
+
+def full_token_bytes(heads: int, head_dims, itemsize: int) -> int:
+    """One token of one layer in the full cache: K and V rows of every kv head, the model's dtype."""
+    return heads * sum(head_dims) * itemsize
+
+
+def layer_bound(config, heads: int, head_dims, itemsize: int) -> int:
+    """The most bytes one sequence's cache of one layer can hold under `config` (M resolved), with
+    calls appended in steps of at most evict_every (cache.py): see the module docstring."""
+    budget, archived = config.keeper.split(config.budget, config.storage, tuple(head_dims), itemsize)
+    M, step = budget.max_kv_size, budget.evict_every
+    dims = (*head_dims, config.storage.kv_group_size, itemsize)
+    older, recent = config.storage.tiers()
+    if role_bits(older) == role_bits(recent):
+        rows = M * row_bytes(older, *dims)
+    else:  # low tier reserves M - window (WindowTieredKV); the high tier holds the window + one step before demoting
+        window = min(config.budget.recent, M)
+        rows = (M - window) * row_bytes(older, *dims) + min(window + step, M) * row_bytes(recent, *dims)
+    columns = M * (BOOKKEEPING_BYTES + (4 if config.keeper.merge is not None else 0))  # + float32 multiplicity
+    archive = (archived + step) * (row_bytes(config.keeper.archive_format, *dims) + BOOKKEEPING_BYTES) if archived else 0
+    return heads * (rows + columns + archive)
+
+
+def _config_at(options: dict, M: int):
+    from .options import H2OConfig
+
+    try:
+        return H2OConfig.from_checked({**options, "max_kv_size": M})
+    except ValueError:  # M too small for these options (sink, evict_every, the archive's share)
+        return None
+
+
+def resolve(config, layer_bytes: int, heads: int, head_dims, itemsize: int, total=None, layers: int = 1):
+    """The resolved H2OConfig for `layer_bytes` per sequence in one layer of `heads` kv heads:
+    the table's configuration where the user left it open, and the largest M that fits. `total`
+    (the user's max_kv_bytes, over `layers` layers) phrases the error when nothing fits."""
+    options = config.options()
+    rule = rule_for(layer_bytes / full_token_bytes(heads, head_dims, itemsize), head_dims, options["kv_group_size"])
+    if options["kv_bits"] is None:
+        options.update(kv_bits=rule.kv_bits, rotate=rule.rotate)
+    if options["evicted_bits"] is None:
+        options.update(evicted_bits=rule.evicted_bits, evicted_share=rule.evicted_share)
+
+    def fits(M):
+        c = _config_at(options, M)
+        return c is not None and layer_bound(c, heads, head_dims, itemsize) <= layer_bytes
+
+    low = next((M for M in range(1, 4097) if _config_at(options, M) is not None), None)
+    if low is None or not fits(low):
+        need = None if low is None else layer_bound(_config_at(options, low), heads, head_dims, itemsize) * layers
+        given = total if total is not None else layer_bytes
+        smallest = "" if need is None else (f"; the smallest that works here is {given.in_unit(need) if hasattr(given, 'in_unit') else need} "
+                                           f"({need} bytes: M = {low})")
+        raise ValueError(f"max_kv_bytes={_shown(given)} is too small for any h2o configuration of this model "
+                         f"({layers} h2o layers x {heads} kv heads, head dims {tuple(head_dims)}){smallest}")
+    high = low  # the bound grows with M: double, then bisect
+    while fits(high * 2):
+        high *= 2
+    lo, hi = high, high * 2  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return _config_at(options, lo)
+
+
+def _shown(value) -> str:
+    unit = getattr(value, "unit", "B")
+    return f"{value} bytes" if unit == "B" else f"{value.in_unit(int(value))} ({int(value)} bytes)"
