@@ -69,6 +69,18 @@ def load_model(name: str):
     return model, np.random.default_rng(0).integers(0, TINY["vocab_size"], 4096).tolist()
 
 
+class Nudged(nn.Module):
+    """A layer whose output is scaled by 1 + eps: a last-bits perturbation of the residual stream, the
+    size of an all-reduce's reordering, to measure how much a cache's result moves by it alone."""
+
+    def __init__(self, inner, eps: float):
+        super().__init__()
+        self.inner, self.eps = inner, eps
+
+    def __call__(self, x):
+        return self.inner(x) * (1 + self.eps)
+
+
 def held_positions(caches):
     """Per layer, the positions each h2o lane holds ((B, H, n) lists), or None (not h2o, or another
     rank's layer)."""
@@ -109,12 +121,16 @@ def main():
     p.add_argument("--tokens", type=int, default=160)
     p.add_argument("--prefill", type=int, default=32)
     p.add_argument("--greedy", type=int, default=8)
+    p.add_argument("--nudge", type=float, default=0.0, help="one rank: scale every o_proj output by 1 + NUDGE (the noise floor)")
     args = p.parse_args()
 
     group = mx.distributed.init()
     rank = group.rank()
     model, ids = load_model(args.model)
     ids = ids[: args.tokens]
+    if args.nudge:
+        for layer in model.layers:
+            layer.self_attn.o_proj = Nudged(layer.self_attn.o_proj, args.nudge)
     if args.mode == "tensor":
         shard(model, group)
     elif args.mode == "pipeline":
