@@ -29,10 +29,11 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 TIMEOUT_S = 150  # per launch; the whole module takes ~2 minutes on 2 cores
 OURS = {"quantized", "rotated", "reserved", "h2o-head", "h2o-layer", "h2o-adaptive", "h2o-dispersion", "h2o-archive", "h2o-bytes"}
+LOW_BITS = {"full-int8", "quantized", "rotated", "h2o-archive", "h2o-bytes"}  # roundings an all-reduce's order can flip
 SHARED_SELECTIONS = {"h2o-layer", "h2o-dispersion"}  # one set of positions for all heads of a layer
 CASES = ["full", "full-int8", "quantized", "rotated", "reserved", "rotating", *sorted(OURS - {"quantized", "rotated", "reserved"})]
 EMBEDDED_CASES = ["full", "h2o-layer"]
-TOKENS = 96  # 32 prefilled, then one at a time: h2o (M = 48) evicts from token 48 on
+TOKENS = 80  # 32 prefilled, then one at a time: h2o (M = 48) evicts from token 48 on
 
 
 def _free_port(n: int) -> int:
@@ -126,9 +127,11 @@ def test_ranks_match_one_rank(runs, model, mode, case):
     ranks = [r[case] for r in runs[model, mode]]
     # Every rank ends with the same logits (all-reduced or gathered), so the same NLL, bit for bit.
     assert all(r["nll"] == ranks[0]["nll"] for r in ranks)
-    # MLX's exact quantized matmul: within 0.5 %. With the int8 kernels (full-int8) the all-reduce's
-    # summation order flips int8 roundings (distributed_worker.py): the tiny model stays within 1 %.
-    tolerance = 0.01 if case.endswith("-int8") else 0.005
+    # Caches holding K/V in the model's dtype: within 0.5 %. Where K/V (or, full-int8, activations) are
+    # rounded to 2-8 bits, the all-reduce's last-bit reordering flips roundings: one rank moves by as
+    # much when its residual stream is scaled by 1 +- 1e-6 (docs/distributed.md, "noise floor": 2-8 %
+    # on SmolLM2 over 96 tokens), so those are held to 2 %.
+    tolerance = 0.02 if case in LOW_BITS else 0.005
     assert abs(_ppl(ranks[0]["nll"]) / _ppl(one["nll"]) - 1) <= tolerance, (case, _ppl(ranks[0]["nll"]), _ppl(one["nll"]))
     if not case.endswith("-int8"):
         assert ranks[0]["kernel_classes"] == []
