@@ -4,7 +4,7 @@
 # clone, empty ccache) and how long it took.
 #
 #   0  machine   Debian packages for the builds and the evaluation text (apt-get, as root)  ~1 min
-#   1  stock     the package's suite on PyPI's MLX and mlx-lm (build/venv-stock)       ~10 min
+#   1  stock     the package's suite on PyPI's MLX and mlx-lm (build/venv-stock)       ~14 min
 #                --quick stops here
 #   2  series    patches/mlx onto mlx/ (the submodule, pinned upstream commit) and
 #                patches/mlx-lm onto the pinned mlx-lm sdist: each applies and exports
@@ -14,8 +14,10 @@
 #   4  mlx       MLX's own Python tests of the touched areas, on the fork's wheel       ~2 min
 #   5  mlx-lm    mlx-lm's suite (the patched tree's tests) and mlx-h2o's tests of
 #                mlx-lm's commands and server, on the custom wheels                    ~2 min
-#   6  fork      the package's suite against the custom wheels (build/venv-fork)       ~7 min
-# Measured cold (fresh clone, empty ccache, warm pip cache): 27 min; --quick: 10 min.
+#   6  fork      the package's suite against the custom wheels (build/venv-fork)       ~9 min
+# (each suite includes tests/test_distributed.py: ranks under mlx.launch, ~3 min stock, ~1.5 min fork)
+# Measured warm (fresh clone, warm ccache): 31 min on 2026-11-26; cold (empty ccache) adds the ~6 min
+# of MLX builds (27 min cold before the distributed tests); --quick: 14 min.
 #
 # Usage: ci/run.sh [--quick] [PYTEST_ARGS...]   (pytest arguments apply to steps 1 and 6)
 set -euo pipefail
@@ -119,13 +121,13 @@ mlx_lm_tests() {
 
 step machine "~1 min" machine
 ./scripts/setup_text.sh
-step stock "~10 min" suite stock "$@"
+step stock "~14 min" suite stock "$@"
 if [ $quick = 0 ]; then
   step series "< 1 min" series
   step wheels "~8 min cold, ~2 min with a warm ccache" ./scripts/build_wheels.sh
   step mlx "~2 min" mlx_tests
   step mlx-lm "~2 min" mlx_lm_tests
-  step fork "~7 min" suite fork "$@"
+  step fork "~9 min" suite fork "$@"
 fi
 echo
 echo "=== ci: all steps passed in $(($(date +%s) - start_all)) s"
