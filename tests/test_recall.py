@@ -82,7 +82,7 @@ def test_recall_filler_shares_no_ngram_with_its_span():
     seq = recall_sequences(docs, span=20, filler=100, trials=1)[0]
     assert seq.filler_doc == "doc2"
     docs[2] = ("doc2", docs[2][1][:10] + span[3 : 3 + NGRAM] + docs[2][1][10 + NGRAM :])
-    with pytest.raises(ValueError, match="no document"):
+    with pytest.raises(ValueError, match="sharing no"):
         recall_sequences(docs, span=20, filler=100, trials=1)
 
 

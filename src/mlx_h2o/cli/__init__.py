@@ -22,17 +22,26 @@ from .._blas import use_openblas
 from .flags import (DEFAULT_POLICIES, RECALL_MAX_KV_SIZE, _data_parent, _Deprecated, _epilog, _kv_parent, _model_parent,
                     _positive_int, _prefill_step_parent, _sweep_parent)
 from .generate import cmd_generate
-from .measure import cmd_eval, cmd_passkey, cmd_recall
+from .measure import cmd_eval, cmd_passkey, cmd_demo, cmd_recall, cmd_recall_suite
 from .specs import _cache_options, _command_specs
 from .tools import cmd_convert, cmd_options
 
 __all__ = ["DEFAULT_POLICIES", "RECALL_MAX_KV_SIZE", "build_parser", "main", "cmd_generate", "cmd_eval", "cmd_passkey",
-           "cmd_recall", "cmd_options", "cmd_convert", "_cache_options", "_command_specs"]
+           "cmd_recall", "cmd_recall_suite", "cmd_demo", "cmd_options", "cmd_convert", "_cache_options", "_command_specs"]
+
+
+RECALL_SUITE_EPILOG = """caches at every budget B (a fraction of the full cache's bytes at the context), beside the full cache:
+  window fp      mlx-lm's RotatingKVCache of B / (full bytes per token) entries
+  window 8-bit   h2o split=window,kv_bits=8 at max_kv_bytes=B (sinks + a sliding window, no eviction by score)
+  h2o            h2o max_kv_bytes=B (the byte rule)
+  h2o + archive  h2o max_kv_bytes=B,evicted_bits=2,score=cumulative
+every prompt is fed token by token (the perplexity protocol); each cell is the share of the full cache's success that survives.
+example: mlx-h2o recall-suite --context 2048 4096 --budget 0.1 0.2 --doc-set 1 --json suite.json"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-h2o", description="Bounded-memory LLM inference for MLX / mlx-lm.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval,passkey,recall,options,convert}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,eval,passkey,recall,recall-suite,demo,options,convert}")
     policies = sorted(mlx_h2o.POLICIES)
     model, kv, data, sweep, prefill_step = _model_parent(), _kv_parent(), _data_parent(), _sweep_parent(), _prefill_step_parent()
 
@@ -75,6 +84,30 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trials", type=_positive_int, default=4, help="sequences per (span, filler), each span from another document of the set")
     r.add_argument("--chunk", nargs="+", type=_positive_int, default=None, metavar="C", help="feed everything before the repeat as a prompt in chunks of C tokens (prefill-time eviction); default: token by token")
     r.set_defaults(func=cmd_recall)
+
+    u = sub.add_parser("recall-suite", help="needle (paraphrase, decoy), passkey and span recall of every cache at equal bytes",
+                       parents=[model, data], epilog=RECALL_SUITE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    u.add_argument("--context", nargs="+", type=_positive_int, default=[2048], metavar="T", help="context lengths in tokens")
+    u.add_argument("--budget", nargs="+", type=float, default=[0.1, 0.2], metavar="F",
+                   help="KV bytes per sequence as fractions of the full cache's at the context")
+    u.add_argument("--probes", nargs="+", choices=["needle", "passkey", "span"], default=["needle", "passkey", "span"])
+    u.add_argument("--per-depth", type=_positive_int, default=1, help="needle and passkey trials per depth (depths 25, 50, 75 %%)")
+    u.add_argument("--span-trials", type=_positive_int, default=4, help="span probe sequences, each from another document")
+    u.add_argument("--doc-set", type=int, default=1, help="document set (0 tunes the defaults; 1 and 2 are held out; default 1)")
+    u.add_argument("--policy-batch", type=_positive_int, default=None, help="caches decoded together (default: all)")
+    u.set_defaults(func=cmd_recall_suite)
+
+    d = sub.add_parser("demo", help="the main job: full vs windows vs h2o at equal bytes on a long context (table, plot, verdicts)",
+                       parents=[model, data], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example: mlx-h2o demo --context 2048 --budget 0.0625 0.125 0.25 --json demo.json --plot demo.png")
+    d.add_argument("--context", type=_positive_int, default=2048, help="tokens of context (default 2048)")
+    d.add_argument("--budget", nargs="+", type=float, default=[1 / 16, 1 / 8, 1 / 4], metavar="F",
+                   help="KV bytes per sequence as fractions of the full cache's (default 1/16 1/8 1/4)")
+    d.add_argument("--samples", type=_positive_int, default=2, help="documents for perplexity (default 2)")
+    d.add_argument("--span-trials", type=_positive_int, default=2, help="span recall sequences (default 2)")
+    d.add_argument("--doc-set", type=int, default=1, help="document set (0 tunes the defaults; 1 and 2 are held out; default 1)")
+    d.add_argument("--plot", default=None, help="write the PNG of ΔPPL and recall against the bytes here")
+    d.set_defaults(func=cmd_demo)
 
     o = sub.add_parser("options", help="the cache policies' options (the tables the docs show)")
     o.add_argument("policy", nargs="*", help=f"print these policies' option tables ({', '.join(policies)}; default: all)")

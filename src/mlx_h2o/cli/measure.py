@@ -96,3 +96,51 @@ def cmd_recall(args) -> int:
     if args.json:
         _write_json(args.json, {"corpus": corpus.name, "doc_set": doc_set, "recall": rows})
     return 0
+
+
+def cmd_recall_suite(args) -> int:
+    from ..evaluation import load_corpus
+    from ..evaluation.corpus import document_set
+    from ..evaluation.suite import check_fractions, recall_suite, suite_markdown
+
+    check_fractions(args.budget)
+    corpus = load_corpus(args.text_files)
+    model, tokenizer = _load(args)
+    docs = document_set(tokenizer, corpus, args.doc_set, seed=args.seed)
+    print(f"doc set {args.doc_set} ({'tuning' if args.doc_set == 0 else 'held out'}): "
+          + ", ".join(os.path.basename(d[0]) for d in docs), file=sys.stderr)
+    payload = {"corpus": corpus.name, "doc_set": args.doc_set, "contexts": args.context, "budgets": args.budget}
+
+    def save(rows):  # partial results survive an interrupted run
+        if args.json:
+            _write_json(args.json, {**payload, "suite": rows})
+
+    rows = recall_suite(model, tokenizer, docs, args.context, args.budget, probes=args.probes, per_depth=args.per_depth,
+                        span_trials=args.span_trials, policy_batch_size=args.policy_batch, progress=not args.quiet, on_rows=save)
+    print(suite_markdown(rows))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from ..evaluation import load_corpus
+    from ..evaluation.corpus import document_set
+    from ..evaluation.demo import check_arguments, demo_markdown, plot_demo, run_demo
+
+    check_arguments(args.context, args.budget)
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    corpus = load_corpus(args.text_files)
+    say(f"demo: loading the model ({args.model or 'embedded SmolLM2-135M-Instruct'})")
+    model, tokenizer = _load(args)
+    docs = document_set(tokenizer, corpus, args.doc_set, seed=args.seed)
+    say(f"demo: doc set {args.doc_set} ({'tuning' if args.doc_set == 0 else 'held out'}): "
+        + ", ".join(os.path.basename(d[0]) for d in docs[: max(args.samples, args.span_trials)]))
+    rows = run_demo(model, docs, args.context, args.budget, samples=args.samples, span_trials=args.span_trials,
+                    progress=not args.quiet, say=say)
+    print(demo_markdown(rows))
+    if args.json:
+        _write_json(args.json, {"corpus": corpus.name, "doc_set": args.doc_set, "blas": mlx_h2o.blas_backend(),
+                                "attention": _attention_desc(), "demo": rows})
+    if args.plot:
+        plot_demo(rows, args.plot)
+        say(f"wrote {args.plot}")
+    return 0

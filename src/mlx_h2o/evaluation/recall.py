@@ -13,8 +13,9 @@ as the full cache. Perplexity under-rewards keeping the middle of a context; thi
 Each sequence is `lead + span + filler + span`:
 - lead: the LEAD tokens before the span in its document (context for the first occurrence);
 - span: S tokens from SPAN_OFFSET tokens into a document (past titles and headers);
-- filler: the first F tokens of another document of the same set, chosen to share no 8-gram with
-  the span (licences quote each other);
+- filler: F tokens of the set's other documents joined end to end (from the one half the set
+  away on, skipping the span's own), chosen to share no 8-gram with the span (licences quote each
+  other), so F may exceed any one document;
 - the repeat: the span again. Its first token has no cue that a repeat starts, so the NLL is taken
   over the repeat's tokens 2..S (S - 1 predictions).
 
@@ -62,10 +63,21 @@ def _ngrams(ids: Sequence[int], n: int) -> set:
     return {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)}
 
 
+def _joined(docs: Sequence[Tuple[str, List[int]]], n: int) -> Tuple[List[int], List[str]]:
+    """The first n tokens of `docs` joined end to end (fewer if they hold fewer), and the ids used."""
+    out, used = [], []
+    for name, ids in docs:
+        if len(out) >= n:
+            break
+        out += ids[: n - len(out)]
+        used.append(name)
+    return out, used
+
+
 def recall_sequences(docs: Sequence[Tuple[str, List[int]]], span: int, filler: int, trials: int) -> List[RecallSequence]:
     """`trials` probe sequences from `docs` [(doc id, token ids)] (e.g. one document set): trial i
-    takes its span from docs[i] and its filler from the first document after docs[i + len(docs)//2]
-    (cyclically) that shares no 8-gram with the span."""
+    takes its span from docs[i] and its filler from the other documents joined, starting at the first
+    one after docs[i + len(docs)//2] (cyclically) whose filler shares no 8-gram with the span."""
     if not 1 <= span:
         raise ValueError(f"span must be >= 1 token, got {span}")
     if filler < 0:
@@ -81,17 +93,17 @@ def recall_sequences(docs: Sequence[Tuple[str, List[int]]], span: int, filler: i
             raise ValueError(f"document {name!r} has {len(ids)} tokens: too few for a span of {span} at offset {SPAN_OFFSET}")
         lead, text = ids[SPAN_OFFSET - LEAD : SPAN_OFFSET], ids[SPAN_OFFSET : SPAN_OFFSET + span]
         grams = _ngrams(text, NGRAM)
-        for k in range(len(docs) - 1):
+        for k in range(len(docs)):
             j = (i + len(docs) // 2 + k) % len(docs)
-            if j == i or len(docs[j][1]) < filler:
+            if j == i:
                 continue
-            fill = docs[j][1][:filler]
-            if not grams & _ngrams(fill, NGRAM):
+            fill, used = _joined([docs[m % len(docs)] for m in range(j, j + len(docs)) if m % len(docs) != i], filler)
+            if len(fill) == filler and not grams & _ngrams(fill, NGRAM):
                 break
         else:
-            raise ValueError(f"no document of the set has {filler} tokens sharing no {NGRAM}-gram with the span of {name!r}")
+            raise ValueError(f"the set's other documents give no {filler} tokens sharing no {NGRAM}-gram with the span of {name!r}")
         tokens = lead + text + fill + text
-        out.append(RecallSequence(name, docs[j][0], tokens, span, filler, LEAD + span + filler))
+        out.append(RecallSequence(name, "+".join(used), tokens, span, filler, LEAD + span + filler))
     return out
 
 

@@ -11,9 +11,11 @@ import mlx.core as mx
 from ...options import REQUIRED, Bytes, Choice, Custom, Int, check_int, option
 from ...storage import grown_capacity
 
-SPLITS = ("heavy", "balanced", "recent", "explicit")
+SPLITS = ("heavy", "balanced", "recent", "window", "explicit")
 # Fraction of M given to heavy hitters by each preset; the rest after the sinks is the recent window.
-SPLIT_HEAVY_FRACTION = {"heavy": 1 / 2, "balanced": 1 / 4, "recent": 1 / 8}
+# `window` keeps no heavy hitters: a sliding window with sinks, in the h2o cache's storage (packed,
+# rotated, at a byte budget), the baseline an equal-bytes comparison needs.
+SPLIT_HEAVY_FRACTION = {"heavy": 1 / 2, "balanced": 1 / 4, "recent": 1 / 8, "window": 0}
 # Default evict_every = M // 16: a compaction (~0.2 ms a layer on the CPU, most of it fixed cost) once per
 # M/16 tokens instead of every token, for ~3 % fewer entries held on average (docs/h2o.md, "eviction").
 DEFAULT_EVICT_DIVISOR = 16
@@ -23,7 +25,7 @@ def _check_byte_budget(split, pin, rest) -> None:
     """A byte budget bounds every entry the cache holds, so it sizes one M for every layer and head,
     and nothing may live outside M."""
     if split == "explicit":
-        raise ValueError("max_kv_bytes chooses M, so heavy and recent come from split (heavy, balanced or recent), not split='explicit'")
+        raise ValueError("max_kv_bytes chooses M, so heavy and recent come from split (heavy, balanced, recent or window), not split='explicit'")
     if pin:
         raise ValueError("max_kv_bytes bounds every entry held; pinned spans live outside the budget: give max_kv_size to pin")
     if rest.get("layer_budget", "uniform") != "uniform" or rest.get("head_budget", "uniform") != "uniform":
@@ -81,7 +83,8 @@ class Budget:
     max_kv_size: Optional[int] = option(Int(1), REQUIRED, "KV budget M per kv head: sink + heavy + recent entries",
                                         instead=("max_kv_bytes",))
     split: str = option(Choice(SPLITS), "heavy",
-                        "budget split: `heavy` (heavy hitters M/2), `balanced` (M/4), `recent` (M/8), `explicit` (give heavy and recent)")
+                        "budget split: `heavy` (heavy hitters M/2), `balanced` (M/4), `recent` (M/8), `window` (none: a sliding window "
+                        "with sinks), `explicit` (give heavy and recent)")
     sink: int = option(Int(0), 4, "first tokens always kept")
     heavy: Optional[int] = option(Int(0), None, "heavy-hitter entries (with split=explicit)")
     recent: Optional[int] = option(Int(0), None, "recent-window entries (with split=explicit)")

@@ -1,0 +1,143 @@
+"""The recall suite: every cache of the same bytes, at a fraction of the full cache's, on three probes
+through the cache token by token (the perplexity protocol), each scored as the share of the full
+cache's success that survives.
+
+- `needle`: a lexical needle, a decoy, a paraphrased question (retrieval.py);
+- `passkey`: a 5-digit key said twice, asked for at the end (retrieval.py);
+- `span`: a 64-token span of real text, filler up to the context, the span again: the share of the
+  full cache's NLL gain over the fp window of the same bytes (recall.py, `recovered`).
+
+The caches at a budget of B bytes per sequence (`equal_byte_specs`, B = fraction x the full cache's
+bytes at the context):
+- `window fp`: mlx-lm's RotatingKVCache of B / (full bytes per token) entries;
+- `window 8-bit`: a sliding window with sinks at 8 bits (h2o `split=window,kv_bits=8`) of B bytes;
+- `h2o`: `max_kv_bytes=B` (the byte rule: 4/8-bit rotated, no archive);
+- `h2o + archive`: `max_kv_bytes=B` with a 2-bit archive of evicted entries (`evicted_bits=2`,
+  cumulative score: the best recall measured on set 0, docs/h2o.md).
+"""
+
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..caches import make_cache
+from .memory import kv_bytes
+from .recall import LEAD, recall_sequences, recall_table
+from .retrieval import retrieval_table, retrieval_trials
+from .runner import PolicySpec, parse_specs
+
+SPAN = 64
+# (name in the tables, spec template: {B} is the budget in bytes, {M} the fp window's entries)
+CACHES = (
+    ("window fp", "rotating:max_kv_size={M}"),
+    ("window 8-bit", "h2o:max_kv_bytes={B},split=window,kv_bits=8"),
+    ("h2o", "h2o:max_kv_bytes={B}"),
+    ("h2o + archive", "h2o:max_kv_bytes={B},evicted_bits=2,score=cumulative"),
+)
+
+
+def full_bytes_per_token(model) -> int:
+    """Bytes one token takes in the full cache of every layer (K and V, every kv head, the dtype the
+    model's keys have), measured by feeding one token."""
+    cache = make_cache(model, "full")
+    mx.eval(model(mx.array([[0]]), cache=cache))
+    return kv_bytes(cache)
+
+
+def check_fractions(fractions: Sequence[float]) -> None:
+    for f in fractions:
+        if not 0.0 < f < 1.0:
+            raise ValueError(f"budget fractions must lie in (0, 1), got {f}")
+
+
+def equal_byte_specs(model, context: int, fractions: Sequence[float], caches=CACHES) -> List[PolicySpec]:
+    """`full`, then for every fraction every cache of `caches` at fraction x the full cache's bytes at
+    `context` tokens; each spec carries its table name and fraction as `name` and `fraction`."""
+    token = full_bytes_per_token(model)
+    full = parse_specs(["full"])[0]
+    full.name, full.fraction = "full", 1.0
+    specs = [full]
+    check_fractions(fractions)
+    for f in fractions:
+        budget = int(f * context * token)
+        for name, template in caches:
+            spec = parse_specs([template.format(B=budget, M=max(1, budget // token))])[0]
+            spec.name, spec.fraction = name, f
+            specs.append(spec)
+    return specs
+
+
+def recall_suite(model, tokenizer, docs, contexts: Sequence[int], fractions: Sequence[float], probes=("needle", "passkey", "span"),
+                 per_depth: int = 1, span_trials: int = 4, policy_batch_size: Optional[int] = None, progress: bool = True,
+                 on_rows=None) -> List[dict]:
+    """Rows (one per context, probe and cache) with `survived`: the share of the full cache's success
+    this cache keeps (retrieval: hits among the full cache's hits; span: `recovered`). `docs` is one
+    document set (corpus.document_set); `on_rows(rows)` is called after every probe (partial results)."""
+    unknown = set(probes) - {"needle", "passkey", "span"}
+    if unknown:
+        raise ValueError(f"probes must be among needle, passkey, span; got {sorted(unknown)}")
+    rows = []
+    for T in contexts:
+        specs = equal_byte_specs(model, T, fractions)
+        meta = {s.label: {"cache": s.name, "fraction": s.fraction} for s in specs}
+        found = [p for p in probes if p != "span"]
+        if found:
+            trials = retrieval_trials(tokenizer, docs, T, probes=found, per_depth=per_depth)
+            rows += _tagged(retrieval_table(model, tokenizer, specs, trials, policy_batch_size=policy_batch_size,
+                                            progress=progress), meta)
+            if on_rows:
+                on_rows(rows)
+        if "span" in probes:
+            sequences = recall_sequences(docs, SPAN, T - LEAD - 2 * SPAN, span_trials)
+            span_rows = _tagged(recall_table(model, specs, sequences, policy_batch_size=policy_batch_size,
+                                             progress=progress), meta)
+            rows += _span_survived(span_rows, T)
+            if on_rows:
+                on_rows(rows)
+    return rows
+
+
+def _span_survived(rows: List[dict], context: int) -> List[dict]:
+    """The span probe's `survived`: recall.add_recovered's share of the full cache's gain, with the fp
+    window of the same fraction (same bytes, not the same M) as the zero."""
+    full = next(r["nll"] for r in rows if r["cache"] == "full")
+    window = {r["fraction"]: r["nll"] for r in rows if r["cache"] == "window fp"}
+    for r in rows:
+        w = window.get(r["fraction"], r["nll"]) if r["cache"] != "full" else None
+        gain = None if w is None else w - full
+        r.update(probe="span", context=context, window_nll=w, full_nll=full,
+                 recovered=1.0 if w is None else ((w - r["nll"]) / gain if gain > 0 else None))
+        r["survived"] = r["recovered"]
+    return rows
+
+
+def _tagged(rows: List[dict], meta: Dict[str, dict]) -> List[dict]:
+    for r in rows:
+        r.update(meta[r["label"]])
+    return rows
+
+
+def suite_markdown(rows: List[dict]) -> str:
+    """One line per (budget, cache), one column per (context, probe): the share of the full cache's
+    success that survives; the full cache's line gives its own success (hits or NLL on the repeat)."""
+    from .report import markdown_table
+
+    columns = list(dict.fromkeys((r["context"], r["probe"]) for r in rows))
+    lines = list(dict.fromkeys((r["fraction"], r["cache"]) for r in rows))
+    lines.sort(key=lambda fc: -fc[0])
+    cell = {(r["fraction"], r["cache"], r["context"], r["probe"]): r for r in rows}
+
+    def text(r):
+        if r is None:
+            return "-"
+        if r["cache"] == "full":
+            return f"NLL {r['nll']:.2f}" if r["probe"] == "span" else f"{sum(r['hits'])}/{r['trials']} hit"
+        if r["survived"] is None:
+            return "n/a"
+        extra = "" if r["probe"] == "span" else f" ({sum(r['hits'])}/{r['trials']})"
+        return f"{100 * r['survived']:.0f} %{extra}"
+
+    return markdown_table(
+        ["bytes of full", "cache"] + [f"{p} @ {T}" for T, p in columns],
+        [[f"{100 * f:.0f} %", c] + [text(cell.get((f, c, T, p))) for T, p in columns] for f, c in lines],
+    )
