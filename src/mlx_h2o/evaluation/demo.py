@@ -42,8 +42,8 @@ def check_arguments(context: int, fractions: Sequence[float]) -> None:
     check_fractions(fractions)
 
 
-def run_demo(model, docs, context: int = 2048, fractions: Sequence[float] = (1 / 16, 1 / 8, 1 / 4), samples: int = 2,
-             span_trials: int = 2, speed_steps: int = 32, progress: bool = True, say=print) -> List[dict]:
+def run_demo(model, docs, context: int = 2048, fractions: Sequence[float] = (1 / 16, 1 / 8, 1 / 4), samples: int = 1,
+             span_trials: int = 1, speed_steps: int = 32, progress: bool = True, say=print) -> List[dict]:
     """Rows, one per cache and budget: PPL and ΔPPL on the continuation, span recall, KV bytes; and
     decode speed and peak memory at the middle budget. `docs` is one document set."""
     check_arguments(context, fractions)
