@@ -11,7 +11,7 @@ from mlx_h2o.caches.h2o import H2OConfig
 @pytest.mark.parametrize(
     "options, match",
     [
-        (dict(split="wide"), r"split must be one of 'heavy', 'balanced', 'recent', 'explicit', got 'wide'"),
+        (dict(split="wide"), r"split must be one of 'heavy', 'balanced', 'recent', 'window', 'explicit', got 'wide'"),
         (dict(score="lru"), r"score must be one of 'cumulative', 'ema', 'logit_ema', 'normalised'"),
         (dict(select="token"), r"select must be one of 'head', 'layer'"),
         (dict(evict_every=0), r"evict_every must be an integer >= 1"),

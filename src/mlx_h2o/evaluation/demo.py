@@ -31,6 +31,7 @@ from .suite import CACHES, SPAN, _span_survived, check_fractions, equal_byte_spe
 
 CONTINUATION = 256
 CHUNK = 256
+FLOOR_PCT = 0.01  # the plot's log axis draws smaller (or negative) ΔPPL here
 MIN_CONTEXT = CONTINUATION + 2 * SPAN + LEAD + 64
 DEMO_CACHES = tuple(c for c in CACHES if c[0] in ("window fp", "window 8-bit", "h2o"))
 
@@ -103,12 +104,15 @@ def verdict(row: dict, rows: List[dict]) -> str:
     text = f"{row['delta_pct']:+.1f} % PPL, span recall {recall}"
     if best is row:
         others = [r for r in peers if r is not row]
-        if others:
-            runner = min(others, key=lambda r: r["delta_pct"])
-            ratio = row["delta_pct"] / runner["delta_pct"] if runner["delta_pct"] > 0 else float("nan")
-            text += f": the best at {mb:.1f} MiB ({ratio:.2f}x the loss of the {runner['cache']})"
+        runner = min(others, key=lambda r: r["delta_pct"]) if others else None
+        if runner is not None and row["delta_pct"] > 0 and runner["delta_pct"] > 0:
+            text += f": the best at {mb:.1f} MiB ({row['delta_pct'] / runner['delta_pct']:.2f}x the loss of the {runner['cache']})"
+        else:  # a loss at or below zero: within the sample's noise, no ratio to give
+            text += f": the lowest loss at {mb:.1f} MiB"
+    elif best["delta_pct"] > 0:
+        text += f": {row['delta_pct'] / best['delta_pct']:.1f}x the loss of the {best['cache']} at these bytes"
     else:
-        text += f": {row['delta_pct'] / best['delta_pct']:.1f}x the loss of the {best['cache']} at these bytes" if best["delta_pct"] > 0 else ""
+        text += f": the {best['cache']} loses less at these bytes"
     return text
 
 
@@ -141,7 +145,7 @@ def plot_demo(rows: List[dict], path: str) -> str:
     caches = [c for c in dict.fromkeys(r["cache"] for r in rows) if c != "full"]
     for c in caches:
         pts = sorted((r["kv_bytes_per_seq"] / 2**20, r["delta_pct"], r["recall"]) for r in rows if r["cache"] == c)
-        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=c)
+        a.plot([p[0] for p in pts], [max(p[1], FLOOR_PCT) for p in pts], marker="o", label=c)
         b.plot([p[0] for p in pts], [100 * (p[2] or 0.0) for p in pts], marker="o", label=c)
     full = next(r for r in rows if r["cache"] == "full")
     for ax in (a, b):
@@ -149,8 +153,8 @@ def plot_demo(rows: List[dict], path: str) -> str:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV MiB per sequence")
         ax.grid(True, alpha=0.3)
-    a.set_ylabel("ΔPPL vs full cache (%)")
-    a.set_yscale("symlog", linthresh=1.0)
+    a.set_ylabel(f"ΔPPL vs full cache (%, log; below {FLOOR_PCT} % drawn at it)")
+    a.set_yscale("log")
     b.set_ylabel("span recall (% of the full cache's gain)")
     b.set_ylim(-5, 105)
     a.legend(fontsize=8)
