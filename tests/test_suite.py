@@ -188,9 +188,9 @@ def test_recall_filler_joins_documents_when_one_is_too_short():
 
 
 def test_span_survived_uses_the_fp_window_of_the_same_bytes():
-    rows = [dict(cache="full", fraction=1.0, nll=1.0), dict(cache="window fp", fraction=0.1, nll=3.0),
-            dict(cache="h2o", fraction=0.1, nll=1.5), dict(cache="window fp", fraction=0.2, nll=2.0),
-            dict(cache="h2o", fraction=0.2, nll=2.5)]
+    rows = [dict(cache="full", policy="full", fraction=1.0, nll=1.0), dict(cache="window fp", policy="rotating", fraction=0.1, nll=3.0),
+            dict(cache="h2o", policy="h2o", fraction=0.1, nll=1.5), dict(cache="window fp", policy="rotating", fraction=0.2, nll=2.0),
+            dict(cache="h2o", policy="h2o", fraction=0.2, nll=2.5)]
     _span_survived(rows, 64)
     assert [r["survived"] for r in rows] == [1.0, 0.0, pytest.approx(0.75), 0.0, pytest.approx(-0.5)]
     table = suite_markdown([{**r, "context": 64, "trials": 4} for r in rows])

@@ -63,13 +63,14 @@ def _ngrams(ids: Sequence[int], n: int) -> set:
     return {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)}
 
 
-def _joined(docs: Sequence[Tuple[str, List[int]]], n: int) -> Tuple[List[int], List[str]]:
-    """The first n tokens of `docs` joined end to end (fewer if they hold fewer), and the ids used."""
+def joined(docs: Sequence[Tuple[str, List[int]]], n: int, separator: Sequence[int] = ()) -> Tuple[List[int], List[str]]:
+    """The first n tokens of `docs` joined end to end, `separator` after each (fewer if they hold
+    fewer), and the ids of the documents used."""
     out, used = [], []
     for name, ids in docs:
         if len(out) >= n:
             break
-        out += ids[: n - len(out)]
+        out += (list(ids) + list(separator))[: n - len(out)]
         used.append(name)
     return out, used
 
@@ -97,7 +98,7 @@ def recall_sequences(docs: Sequence[Tuple[str, List[int]]], span: int, filler: i
             j = (i + len(docs) // 2 + k) % len(docs)
             if j == i:
                 continue
-            fill, used = _joined([docs[m % len(docs)] for m in range(j, j + len(docs)) if m % len(docs) != i], filler)
+            fill, used = joined([docs[m % len(docs)] for m in range(j, j + len(docs)) if m % len(docs) != i], filler)
             if len(fill) == filler and not grams & _ngrams(fill, NGRAM):
                 break
         else:
@@ -119,6 +120,25 @@ def _forward(model, x: mx.array, cache, logits: bool):
     return out
 
 
+def feed(model, x: mx.array, cache, end: int, chunk: Optional[int] = None, prefill: int = 32, progress=None) -> None:
+    """Feed x[:, :end] through `cache` without logits: chunk=None, the first `prefill` tokens in one
+    call, then one token at a time (the perplexity protocol); chunk=C, in calls of C tokens."""
+    if chunk is None:
+        if not 1 <= prefill <= end:
+            raise ValueError(f"prefill must be in [1, {end}], got {prefill}")
+        starts = [0] + list(range(prefill, end))
+        ends = starts[1:] + [end]
+    else:
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        starts = list(range(0, end, chunk))
+        ends = [min(s + chunk, end) for s in starts]
+    for s, e in zip(starts, ends):
+        _forward(model, x[:, s:e], cache, logits=False)
+        if progress:
+            progress(e - s)
+
+
 def repeat_nll(model, tokens, cache, repeat_start: int, chunk: Optional[int] = None, prefill: int = 32, progress=None) -> np.ndarray:
     """NLL (B, T - repeat_start - 1) of tokens[:, repeat_start + 1:] through `cache`, fed as the
     module docstring says (chunk=None: prefill then one token at a time; chunk=C: the prompt before
@@ -128,20 +148,7 @@ def repeat_nll(model, tokens, cache, repeat_start: int, chunk: Optional[int] = N
     T = x.shape[1]
     if not 1 <= repeat_start < T - 1:
         raise ValueError(f"repeat_start must be in [1, {T - 1}) for {T} tokens, got {repeat_start}")
-    if chunk is None:
-        if not 1 <= prefill <= repeat_start:
-            raise ValueError(f"prefill must be in [1, {repeat_start}], got {prefill}")
-        starts = [0] + list(range(prefill, repeat_start))
-        ends = starts[1:] + [repeat_start]
-    else:
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
-        starts = list(range(0, repeat_start, chunk))
-        ends = [min(s + chunk, repeat_start) for s in starts]
-    for s, e in zip(starts, ends):
-        _forward(model, x[:, s:e], cache, logits=False)
-        if progress:
-            progress(e - s)
+    feed(model, x, cache, repeat_start, chunk, prefill, progress)
     nll = []
     for t in range(repeat_start, T - 1):
         nll.append(_nll(_forward(model, x[:, t : t + 1], cache, logits=True), x[:, t + 1 : t + 2]))
@@ -185,14 +192,16 @@ def recall_table(model, specs, sequences: Sequence[RecallSequence], chunk: Optio
     return add_recovered(rows)
 
 
-def add_recovered(rows: List[dict]) -> List[dict]:
+def add_recovered(rows: List[dict], budget=lambda r: r["max_kv_size"], is_window=lambda r: r["policy"] == "rotating") -> List[dict]:
     """Set `recovered` (share of the full cache's gain over the window at the same budget, per the
-    module docstring) on every row that has both references with the same span, filler and chunk."""
-    key = lambda r: (r["span"], r["filler"], r["chunk"])  # noqa: E731
+    module docstring) on every row that has both references with the same span, filler and chunk.
+    `budget(row)` says which rows share a budget (default M; suite.py: the fraction of the bytes) and
+    `is_window(row)` which row of a budget is the window."""
+    key = lambda r: (r.get("span"), r.get("filler"), r.get("chunk"))  # noqa: E731
     full = {key(r): r["nll"] for r in rows if r["policy"] == "full"}
-    window = {(*key(r), r["max_kv_size"]): r["nll"] for r in rows if r["policy"] == "rotating"}
+    window = {(*key(r), budget(r)): r["nll"] for r in rows if is_window(r)}
     for r in rows:
-        f, w = full.get(key(r)), window.get((*key(r), r["max_kv_size"]))
+        f, w = full.get(key(r)), window.get((*key(r), budget(r)))
         gain = None if f is None or w is None else w - f
         r["recovered"] = None if gain is None or gain <= 0 else (w - r["nll"]) / gain
         r["window_nll"], r["full_nll"] = w, f

@@ -30,7 +30,7 @@ from ..caches import make_cache
 from .batched import policy_batch, policy_kv_bytes
 from .passkey import NEEDLE as PASSKEY_NEEDLE
 from .passkey import QUESTION as PASSKEY_QUESTION
-from .recall import _forward
+from .recall import _forward, feed, joined
 
 # (needle, decoy, paraphrased question): the question names the needle's thing in other words.
 NEEDLES = (
@@ -79,13 +79,11 @@ def _boundary(tokenizer, hay: Sequence[int], at: int, limit: int) -> int:
 
 
 def _haystack(docs, start: int, n: int, separator: List[int]) -> List[int]:
-    """At least n tokens: the set's documents joined from docs[start] on (cyclically)."""
-    out = []
-    for k in range(len(docs)):
-        out += docs[(start + k) % len(docs)][1] + separator
-        if len(out) >= n:
-            return out[:n]
-    raise ValueError(f"the document set holds {len(out)} tokens: too few for a haystack of {n}")
+    """n tokens: the set's documents joined from docs[start] on (cyclically)."""
+    out, _ = joined([docs[(start + k) % len(docs)] for k in range(len(docs))], n, separator)
+    if len(out) < n:
+        raise ValueError(f"the document set holds {len(out)} tokens: too few for a haystack of {n}")
+    return out
 
 
 def retrieval_trials(tokenizer, docs: Sequence[Tuple[str, List[int]]], context: int, probes=("needle", "passkey"),
@@ -144,15 +142,7 @@ def greedy_answers(model, prompts: np.ndarray, cache, max_tokens: int = 16, pref
     protocol (the first `prefill` tokens in one call, then one token at a time)."""
     x = mx.array(prompts)
     T = x.shape[1]
-    if not 1 <= prefill <= T:
-        raise ValueError(f"prefill must be in [1, {T}], got {prefill}")
-    _forward(model, x[:, :prefill], cache, logits=False)
-    if progress:
-        progress(prefill)
-    for t in range(prefill, T - 1):
-        _forward(model, x[:, t : t + 1], cache, logits=False)
-        if progress:
-            progress(1)
+    feed(model, x, cache, T - 1, prefill=prefill, progress=progress)  # the last prompt token gives the first answer
     token, out = x[:, T - 1 : T], []
     for _ in range(max_tokens):
         token = mx.argmax(_forward(model, token, cache, logits=True)[:, -1, :], axis=-1)[:, None]

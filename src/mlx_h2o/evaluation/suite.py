@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ..caches import make_cache
 from .memory import kv_bytes
-from .recall import LEAD, recall_sequences, recall_table
+from .recall import LEAD, add_recovered, recall_sequences, recall_table
 from .retrieval import retrieval_table, retrieval_trials
 from .runner import PolicySpec, parse_specs
 
@@ -99,15 +99,12 @@ def recall_suite(model, tokenizer, docs, contexts: Sequence[int], fractions: Seq
 
 def _span_survived(rows: List[dict], context: int) -> List[dict]:
     """The span probe's `survived`: recall.add_recovered's share of the full cache's gain, with the fp
-    window of the same fraction (same bytes, not the same M) as the zero."""
-    full = next(r["nll"] for r in rows if r["cache"] == "full")
-    window = {r["fraction"]: r["nll"] for r in rows if r["cache"] == "window fp"}
+    window of the same fraction (same bytes, not the same M) as the zero; the full cache keeps it all."""
+    add_recovered(rows, budget=lambda r: r["fraction"], is_window=lambda r: r["cache"] == "window fp")
     for r in rows:
-        w = window.get(r["fraction"], r["nll"]) if r["cache"] != "full" else None
-        gain = None if w is None else w - full
-        r.update(probe="span", context=context, window_nll=w, full_nll=full,
-                 recovered=1.0 if w is None else ((w - r["nll"]) / gain if gain > 0 else None))
-        r["survived"] = r["recovered"]
+        if r["cache"] == "full":
+            r["recovered"] = 1.0
+        r.update(probe="span", context=context, survived=r["recovered"])
     return rows
 
 
