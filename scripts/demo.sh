@@ -12,5 +12,5 @@ echo "demo: setting up (the evaluation text, then build/venv-stock)"
 ./scripts/setup_text.sh
 py="$(./scripts/venv.sh stock)"
 mkdir -p results
-echo "demo: mlx-h2o demo (about 5 min on 2 cores; progress below)"
+echo "demo: mlx-h2o demo (about 6 min on 2 cores; progress below)"
 "$py" -m mlx_h2o demo --context 2048 --budget 0.0625 0.125 0.25 --json results/demo.json --plot results/demo.png "$@"
