@@ -2,8 +2,20 @@
 decode tok/s and peak RSS, at each context, for mlx-h2o's full cache and h2o(M=--budget, default 256); one
 ratio per row.
 
-    python benchmarks/bench_peer.py [--quick] [--contexts 512 2048] [--budget 256] [--gen 64] [--rounds 2] [--threads 2]
-        [--peer-python build/venv-llamacpp/bin/python]
+    python benchmarks/bench_peer.py [--quick] [--contexts 512 2048 8192] [--budget 512] [--gen 64] [--rounds 2]
+        [--threads 2] [--peer-python build/venv-llamacpp/bin/python] [--ours stock=PYTHON fork=build/venv-fork/bin/python]
+        [--max-load 1.0] [--allow-load]
+
+--ours names each mlx-h2o path and the python that runs it: the default is this python (stock MLX
+with mlx-h2o's extension kernels); `fork=build/venv-fork/bin/python` adds the fork's wheels (MLX and
+mlx-lm with the series, `scripts/series.py build`). Other pythons than this one run without
+PYTHONPATH, so that each imports its own installed mlx_h2o.
+
+A quiet machine or no result: llama.cpp's thread pool spin-waits, and any other work on the machine
+collapses it (a ratio taken under load says nothing). Before the first round the 1-minute load must
+be below --max-load (it waits up to --wait seconds, then refuses unless --allow-load). Before each
+measurement it samples /proc/stat for a second and waits while other processes keep more than
+--max-busy of a core busy; each row records that busy share and the load average.
 
 llama-cpp-python is an optional benchmark dependency, never a test dependency; install it in its own
 venv (it compiles llama.cpp, natively for this CPU, on install):
@@ -97,16 +109,51 @@ def run_worker(args):
     if args.worker == "peer":
         r = worker_peer(args.model_path, tokens, args.gen, args.threads)
     else:
-        r = worker_ours(tokens, args.gen, args.worker.split(":", 1)[1], args.budget)
+        r = worker_ours(tokens, args.gen, args.worker.split(":")[-1], args.budget)
     r["peak_rss_mib"] = peak_rss_mib()
     print(json.dumps(r))
 
 
+def cpu_busy(seconds=1.0) -> float:
+    """Cores kept busy by the machine over `seconds` (from /proc/stat; this process sleeps meanwhile)."""
+
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+
+    (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(1, t1 - t0))
+
+
+def wait_quiet(args, first=False):
+    """(busy cores, 1-minute load) once the machine is quiet, or after waiting --wait seconds."""
+    deadline = time.monotonic() + args.wait
+    while True:
+        busy, load = cpu_busy(), os.getloadavg()[0]
+        quiet = busy <= args.max_busy and (not first or load < args.max_load)
+        if quiet or time.monotonic() > deadline:
+            break
+        print(f"  waiting for a quiet machine: {busy:.2f} cores busy, load {load:.2f}", flush=True)
+        time.sleep(5)
+    if not quiet:
+        msg = f"the machine is not quiet ({busy:.2f} cores busy, 1-minute load {load:.2f}) after {args.wait} s"
+        if not args.allow_load:
+            sys.exit(msg + ": stop other work, or pass --allow-load to measure anyway (the ratios will not hold)")
+        print("WARNING: " + msg + "; measuring anyway (--allow-load)", flush=True)
+    return busy, load
+
+
 def measure(engine, tokens, args):
     """One fresh process: {'prefill_tok_s', 'decode_tok_s', 'peak_rss_mib', 'tokens'}."""
-    python = args.peer_python if engine == "peer" else sys.executable
     env = {**os.environ, "MLX_H2O_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads),
            "OMP_NUM_THREADS": str(args.threads)}
+    if engine == "peer":
+        python = args.peer_python
+    else:
+        python = args.ours[engine.split(":")[1]]
+        if python != sys.executable:
+            env.pop("PYTHONPATH", None)
     cmd = [python, os.path.abspath(__file__), "--worker", engine, "--gen", str(args.gen), "--threads", str(args.threads),
            "--model-path", args.model_path, "--budget", str(args.budget)]
     r = subprocess.run(cmd, input=json.dumps(tokens), capture_output=True, text=True, env=env)
@@ -120,13 +167,19 @@ def measure(engine, tokens, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", nargs="+", type=int, default=[512, 2048])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
     ap.add_argument("--gen", type=int, default=64, help="tokens generated after the prompt")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--caches", nargs="+", default=["full", "h2o"], choices=["full", "h2o"])
-    ap.add_argument("--budget", type=int, default=256, help="max_kv_size M of mlx-h2o's h2o cache")
+    ap.add_argument("--budget", type=int, default=512, help="max_kv_size M of mlx-h2o's h2o cache")
     ap.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON, help="a python with llama-cpp-python installed")
+    ap.add_argument("--ours", nargs="+", default=[f"stock={sys.executable}"], metavar="NAME=PYTHON",
+                    help="mlx-h2o paths to measure, each a name and the python that runs it")
+    ap.add_argument("--max-load", type=float, default=1.0, help="1-minute load required before the first round")
+    ap.add_argument("--max-busy", type=float, default=0.3, help="cores other work may keep busy before a measurement")
+    ap.add_argument("--wait", type=int, default=300, help="seconds to wait for a quiet machine")
+    ap.add_argument("--allow-load", action="store_true", help="warn instead of refusing on a busy machine")
     ap.add_argument("--quick", action="store_true", help="512 context, 32 tokens, 1 round")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
@@ -135,27 +188,40 @@ def main():
         return run_worker(args)
     if args.quick:
         args.contexts, args.gen, args.rounds = [512], 32, 1
+    if any("=" not in o for o in args.ours):
+        ap.error("--ours takes NAME=PYTHON pairs, e.g. fork=build/venv-fork/bin/python")
+    args.ours = dict(o.split("=", 1) for o in args.ours)
+    missing = [p for p in args.ours.values() if not os.path.exists(p)]
+    if missing:
+        ap.error(f"no python at {', '.join(missing)}")
     from mlx_h2o.loading import default_model_path
 
     args.model_path = str(default_model_path())
     if not os.path.exists(args.peer_python):
         sys.exit(f"no llama-cpp-python at {args.peer_python}; see this file's docstring, or pass --peer-python")
     print(f"uptime before: {os.popen('uptime').read().strip()}", flush=True)
-    engines = ["peer"] + [f"ours:{c}" for c in args.caches]
+    wait_quiet(args, first=True)
+    engines = ["peer"] + [f"ours:{path}:{c}" for path in args.ours for c in args.caches]
     runs = {}
+    worst = (0.0, 0.0)
     for ctx in args.contexts:
         tokens = prompt_tokens(ctx)
         for rnd in range(args.rounds):
             order = engines if rnd % 2 == 0 else engines[::-1]
             for engine in order:
+                busy, load = wait_quiet(args)
+                worst = max(worst[0], busy), max(worst[1], load)
                 r = measure(engine, tokens, args)
                 runs.setdefault((ctx, engine), []).append(r)
-                print(f"ctx {ctx} round {rnd} {engine:9s} prefill {r['prefill_tok_s']:7.1f} tok/s  decode "
-                      f"{r['decode_tok_s']:6.1f} tok/s  peak RSS {r['peak_rss_mib']:6.0f} MiB", flush=True)
-    print(f"uptime after: {os.popen('uptime').read().strip()}\n")
+                print(f"ctx {ctx} round {rnd} {engine:16s} prefill {r['prefill_tok_s']:7.1f} tok/s  decode "
+                      f"{r['decode_tok_s']:6.1f} tok/s  peak RSS {r['peak_rss_mib']:6.0f} MiB  (before it: {busy:.2f} "
+                      f"cores busy, load {load:.2f})", flush=True)
+    print(f"uptime after: {os.popen('uptime').read().strip()}")
+    print(f"before every measurement: at most {worst[0]:.2f} cores busy with other work, 1-minute load at most "
+          f"{worst[1]:.2f} (the load includes the previous measurement's own decay)\n")
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("prefill_tok_s", "decode_tok_s", "peak_rss_mib")}
            for k, v in runs.items()}
-    header = ["context", "engine", "cache", "prefill tok/s", "decode tok/s", "peak RSS MiB",
+    header = ["context", "engine", "path", "cache", "prefill tok/s", "decode tok/s", "decode min-max", "peak RSS MiB",
               "prefill vs llama.cpp", "decode vs llama.cpp", "RSS vs llama.cpp"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -163,8 +229,11 @@ def main():
         peer = med[(ctx, "peer")]
         for engine in engines:
             m = med[(ctx, engine)]
-            name, cache = ("llama.cpp", "full") if engine == "peer" else ("mlx-h2o", f"h2o(M={args.budget})" if engine.endswith("h2o") else "full")
-            print(f"| {ctx} | {name} | {cache} | {m['prefill_tok_s']:.1f} | {m['decode_tok_s']:.1f} | {m['peak_rss_mib']:.0f} | "
+            name, path, cache = ("llama.cpp", "", "full") if engine == "peer" else (
+                "mlx-h2o", engine.split(":")[1], f"h2o(M={args.budget})" if engine.endswith("h2o") else "full")
+            decode = [r["decode_tok_s"] for r in runs[(ctx, engine)]]
+            print(f"| {ctx} | {name} | {path} | {cache} | {m['prefill_tok_s']:.1f} | {m['decode_tok_s']:.1f} | "
+                  f"{min(decode):.1f}-{max(decode):.1f} | {m['peak_rss_mib']:.0f} | "
                   f"{m['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x | {m['decode_tok_s'] / peer['decode_tok_s']:.2f}x | "
                   f"{m['peak_rss_mib'] / peer['peak_rss_mib']:.2f}x |")
     # Same greedy continuation? (different kernels round differently; a report, not a check)

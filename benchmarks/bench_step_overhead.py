@@ -29,12 +29,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_h2o import hook
+from mlx_h2o import cpu_layers, hook
 from mlx_h2o.evaluation import load_corpus, token_samples
 from mlx_h2o.evaluation.report import markdown_table
 
+# Every class whose own method computes a linear layer: MLX's, and the kernel subclasses that override it.
 LINEARS = [(nn.Linear, "__call__"), (nn.QuantizedLinear, "__call__"), (nn.Embedding, "as_linear"),
-           (nn.QuantizedEmbedding, "as_linear")]
+           (nn.QuantizedEmbedding, "as_linear"), (cpu_layers.KernelQuantizedLinear, "__call__"),
+           (cpu_layers.KernelQuantizedEmbedding, "as_linear")]
 
 
 def _zeros_linear(self, x):
@@ -52,8 +54,8 @@ class Replaced:
         self.linears, self.attention = linears, attention
 
     def __enter__(self):
-        self.saved = [(c, m, getattr(c, m)) for c, m in LINEARS] + [(hook, "scaled_dot_product_attention_with_scores",
-                                                                      hook.scaled_dot_product_attention_with_scores)]
+        self.saved = [(c, m, c.__dict__[m]) for c, m in LINEARS] + [(hook, "scaled_dot_product_attention_with_scores",
+                                                                        hook.scaled_dot_product_attention_with_scores)]
         if self.linears:
             for c, m in LINEARS:
                 setattr(c, m, _zeros_linear)
@@ -90,6 +92,8 @@ def main():
     tokens = None
     for mode in args.modes:
         weights, _, layers = mode.partition(":")
+        if layers not in ("", "stock"):
+            ap.error(f"mode {mode!r}: the layers after ':' are 'stock' or nothing")
         model, tokenizer = mlx_h2o.load(weights=weights, cpu_kernels=layers != "stock")
         if tokens is None:
             tokens = token_samples(tokenizer, load_corpus(), 1, args.context, seed=1)[0][1]

@@ -80,11 +80,11 @@ def test_long_inputs_take_dequantize_and_gemm():
     rng = np.random.default_rng(2)
     w = mx.array(rng.standard_normal((64, 128)).astype(np.float32))
     wq = mx.quantize(w, group_size=32, bits=8)
-    x = mx.array(rng.standard_normal((1, 20, 128)).astype(np.float32))
+    x = mx.array(rng.standard_normal((1, 40, 128)).astype(np.float32))
     ref = np.array(x) @ numpy_dequantize(*wq, 8, 32).T
     np.testing.assert_allclose(np.array(quantized_matmul(x, *wq, group_size=32, bits=8)), ref, rtol=1e-4, atol=1e-4)
-    # max_rows moves the switch: 20 rows through the kernel, within its bound.
-    check(x, wq, 32, 8, max_rows=32)
+    # max_rows moves the switch: 40 rows through the kernel, within its bound.
+    check(x, wq, 32, 8, max_rows=64)
     np.testing.assert_allclose(
         np.array(quantized_matmul(x[:, :2], *wq, group_size=32, bits=8, max_rows=0)), ref[:, :2], rtol=1e-4, atol=1e-4
     )

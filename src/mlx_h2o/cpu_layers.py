@@ -10,8 +10,8 @@ Decode is a matrix-vector product per layer: MLX's CPU `quantized_matmul` unpack
 float first, and dequantized float32 weights move 4x the bytes. The kernel (csrc/kernels/
 quantized_matmul_cpu_impl.h) quantizes each row of x once to int8 per 32 values and dots it with the
 packed 4-bit / 8-bit weights in integer arithmetic (AVX2 maddubs/madd where the CPU has it), threads
-over output columns. Up to 8 rows of x (decode, small batches) take the kernel; longer inputs
-(prefill) dequantize and multiply with a BLAS GEMM.
+over output columns. Up to 32 rows of x (decode, batches, short prompt chunks) take the kernel; longer
+inputs (prefill) dequantize and multiply with a BLAS GEMM, which is cheaper from ~48 rows on.
 
 Switched in per model, never globally: `use_cpu_layer_kernels(model)` changes the class of that
 model's stock layers to a subclass whose call runs the kernel (as `nn.quantize` swaps modules; weights
@@ -30,9 +30,10 @@ from ._native import _ext
 
 KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
-# Rows of x up to which the layers take the integer-dot kernel (decode, small batches); longer inputs
-# dequantize + GEMM. A module setting so that a test can push whole prompts through the kernel.
-KERNEL_MAX_ROWS = 8
+# Rows of x up to which the layers take the integer-dot kernel (decode, batches); longer inputs
+# dequantize + GEMM. The C++ default (QMM_MAX_ROWS, where the measurement is); a module setting so
+# that a test can push whole prompts through the kernel.
+KERNEL_MAX_ROWS = 32
 
 
 def quantized_matmul(
@@ -49,7 +50,7 @@ def quantized_matmul(
     """x @ W^T for W = (w, scales, biases) as `mx.quantize(W, group_size, bits)` returns it, like
     `mx.quantized_matmul(..., transpose=True)`. x: (..., K) float32/float16/bfloat16; bits 4 or 8;
     group_size 32, 64 or 128. CPU streams run the integer-dot kernel when x has at most `max_rows`
-    rows (default 8), else dequantize + matmul (also what other streams run). The kernel rounds x to
+    rows (default 32), else dequantize + matmul (also what other streams run). The kernel rounds x to
     int8 per 32 values: relative error ~ 1 / 254 of each block's largest |x| per term."""
     for name, v in (("group_size", group_size), ("bits", bits)):
         if isinstance(v, bool) or not isinstance(v, int):

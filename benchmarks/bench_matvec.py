@@ -1,0 +1,80 @@
+"""The integer-dot quantized matmul alone, on the embedded model's own weights: time per product,
+weight bytes read per second and multiply-accumulates per second, for each thread count.
+
+    python benchmarks/bench_matvec.py [--layer gate_proj] [--rows 1 4] [--threads 1 2] [--repeats 30]
+
+Each repeat evaluates one product per transformer layer (30 of them, back to back in one mx.eval, as
+a decode step runs them) with a fresh random x; the median per product is printed with the spread.
+Thread counts run in fresh processes (MLX_H2O_NUM_THREADS is read once per process), alternating.
+Where a decode step's linears stand against the machine's memory bandwidth: docs/cpu-decode.md.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def worker(layer: str, rows: int, repeats: int) -> dict:
+    import mlx_h2o
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_h2o import _ext
+
+    model, _ = mlx_h2o.load()
+    mods = [getattr(blk.self_attn if layer in LAYERS[:4] else blk.mlp, layer) for blk in model.layers]
+    n, k_packed = mods[0]["weight"].shape
+    k = k_packed * 32 // mods[0].bits
+    times = []
+    for _ in range(repeats + 3):
+        x = mx.random.normal((1, rows, k))
+        mx.eval(x)
+        outs = [_ext.quantized_matmul(x, m["weight"], m["scales"], m["biases"], m.group_size, m.bits, rows, None)
+                for m in mods]
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        times.append((time.perf_counter() - t0) / len(mods))
+    t = np.array(times[3:])
+    nbytes = sum(m[a].nbytes for m in mods for a in ("weight", "scales", "biases")) / len(mods)
+    return dict(shape=f"{k}x{n}", bits=mods[0].bits, group=mods[0].group_size, median_us=float(np.median(t) * 1e6),
+                min_us=float(t.min() * 1e6), max_us=float(t.max() * 1e6), gb_s=float(nbytes / np.median(t) / 1e9),
+                gmac_s=float(rows * k * n / np.median(t) / 1e9))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layer", default="gate_proj", choices=LAYERS)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if min(args.rows) < 1 or min(args.threads) < 1 or args.repeats < 1 or args.rounds < 1:
+        ap.error("--rows, --threads, --repeats and --rounds must be >= 1")
+    if args.worker:
+        print(json.dumps(worker(args.layer, args.rows[0], args.repeats)))
+        return
+    print(f"load before: {os.getloadavg()[0]:.2f}")
+    print("| layer | shape | rows | threads | round | µs per product (median) | min-max | weight GB/s | GMAC/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rows in args.rows:
+        for rnd in range(args.rounds):
+            for threads in args.threads if rnd % 2 == 0 else args.threads[::-1]:
+                env = {**os.environ, "MLX_H2O_NUM_THREADS": str(threads)}
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--layer", args.layer, "--rows", str(rows),
+                       "--repeats", str(args.repeats)]
+                r = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+                print(f"| {args.layer} | {r['shape']} q{r['bits']} g{r['group']} | {rows} | {threads} | {rnd} | "
+                      f"{r['median_us']:.1f} | {r['min_us']:.0f}-{r['max_us']:.0f} | {r['gb_s']:.2f} | {r['gmac_s']:.2f} |",
+                      flush=True)
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
