@@ -25,8 +25,8 @@ Every measurement is a fresh process (so peak RSS is that engine's alone): it lo
 the same token ids (the embedded SmolLM2 GGUF, `mlx_h2o.loading.default_model_path()`, real English
 from the default corpus) in 512-token prefill chunks, then greedily decodes --gen tokens. Engines
 alternate within each round and the order flips between rounds, so both see the same machine noise.
-mlx-h2o decodes with mlx-lm's own `generate_step` (what a user runs), the fused attention on and its
-default CPU weights. Prints each round's rows, then the medians with llama.cpp's full cache as the
+mlx-h2o decodes with mlx-lm's own `generate_step` (what a user runs), with its defaults: the fused
+attention of its caches and the default CPU weights. Prints each round's rows, then the medians with llama.cpp's full cache as the
 reference of every row, and `uptime` before and after.
 """
 
@@ -89,8 +89,7 @@ def worker_ours(tokens, gen, cache_name, budget):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    model, _ = mlx_h2o.load()
-    mlx_h2o.use_fast_cpu_attention(True)
+    model, _ = mlx_h2o.load()  # the policies' caches attend with the fused kernel by default
     cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=budget) if cache_name == "h2o" else mlx_h2o.make_cache(model, "full")
     out = []
     t0 = time.perf_counter()

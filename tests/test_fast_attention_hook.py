@@ -1,4 +1,6 @@
-"""The opt-in fused CPU attention for every mlx-lm model: same logits as mlx-lm's stock attention."""
+"""The fused CPU attention for every mlx-lm model: opt-in for mlx-lm's caches made by other code, the
+default for every policy's caches (full and rotating included); same logits as mlx-lm's stock
+attention."""
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ def _logits(model, x, fused):
         # A prefill with a causal mask, then decode, one token at a time.
         return step_logits(model, x, lm_cache.make_prompt_cache(model), prefill=20, every_position=True)
     finally:
-        mlx_h2o.use_fast_cpu_attention(False)
+        mlx_h2o.use_fast_cpu_attention(None)
 
 
 @pytest.mark.parametrize(
@@ -45,11 +47,48 @@ def test_fused_attention_matches_stock(model_type, extra, monkeypatch):
     np.testing.assert_allclose(fused, stock, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("policy,options", [("full", {}), ("rotating", {"max_kv_size": 24})])
+def test_baseline_policies_attend_with_the_fused_kernel_by_default(policy, options, monkeypatch, tmp_path):
+    """`full` and `rotating` attend with the fused kernel with no opt-in, in every layer of a model
+    with sliding and global layers (gemma3: the model's own RotatingKVCache layers too), with mlx-lm's
+    logits; saved and loaded by mlx-lm's own functions, the caches keep the kernel and decode on."""
+    from mlx_h2o.caches.baseline import FusedAttention
+
+    model = tiny_model("gemma3")
+    x = tokens(40, seed=1, batch=1, vocab=101)
+    assert not hook.fast_cpu_attention_enabled() and hook.baseline_attention_fused()
+    mlx_h2o.use_fast_cpu_attention(False)  # --attention stock: mlx-lm's path for these caches too
+    try:
+        stock = step_logits(model, x, mlx_h2o.make_cache(model, policy, **options), prefill=20, every_position=True)
+    finally:
+        mlx_h2o.use_fast_cpu_attention(None)
+    calls = []
+    real = hook.scaled_dot_product_attention_with_scores
+    monkeypatch.setattr(hook, "scaled_dot_product_attention_with_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = mlx_h2o.make_cache(model, policy, **options)
+    assert all(isinstance(c, FusedAttention) for c in cache)
+    fused = step_logits(model, x, cache, prefill=20, every_position=True)
+    assert len(calls) == len(model.layers) * (x.shape[1] - 20 + 1)
+    assert np.abs(fused - stock).max() > 0  # two kernels: the comparison is not one path twice
+    np.testing.assert_allclose(fused, stock, atol=2e-4, rtol=1e-4)
+    path = str(tmp_path / "cache.safetensors")
+    lm_cache.save_prompt_cache(path, cache)
+    loaded = lm_cache.load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [type(c) for c in cache]
+    y = x[:, -1:]
+    np.testing.assert_array_equal(np.array(model(y, cache=loaded)), np.array(model(y, cache=cache)))
+
+
 def test_hook_is_removable_and_off_by_default():
     assert not hook.fast_cpu_attention_enabled()
     mlx_h2o.use_fast_cpu_attention(True)
     assert hook.fast_cpu_attention_enabled()
     mlx_h2o.use_fast_cpu_attention(False)
+    assert not hook.baseline_attention_fused()
+    mlx_h2o.use_fast_cpu_attention(None)
+    assert hook.baseline_attention_fused()
+    with pytest.raises(ValueError, match="True, False or None"):
+        mlx_h2o.use_fast_cpu_attention("yes")
     hook.remove()
     assert hook.installed() == hook.MLX_LM_CALLS_ATTEND  # the patched mlx-lm calls attend itself
 

@@ -55,7 +55,7 @@ def test_opt_in_routes_mlx_lm_quantized_cache(monkeypatch):
         with float_queries():
             fused = _run(model, [lm_cache.QuantizedKVCache(group_size=64, bits=8) for _ in model.layers], x)
     finally:
-        mlx_h2o.use_fast_cpu_attention(False)
+        mlx_h2o.use_fast_cpu_attention(None)
     assert calls and set(calls) == {8}
     np.testing.assert_allclose(fused, stock, atol=5e-3, rtol=1e-3)
 

@@ -8,14 +8,16 @@ module attribute would miss them; instead the function object's code is swapped 
 into `_dispatch`, which reaches every model, imported before or after, and `remove()` restores it.
 
 `_dispatch` routes:
-  1. a cache with `attend` (caches.base.AttendingCache) -> `cache.attend`;
+  1. a cache with `attend` (caches.base.AttendingCache, and the "full" and "rotating" policies' mlx-lm
+     caches, caches/baseline.py) -> `cache.attend`;
   2. opt-in (`use_fast_cpu_attention()`), on CPU streams -> the fused kernel for every other cache
-     (dense caches, and mlx-lm's QuantizedKVCache through the packed-K/V kernel);
+     (mlx-lm's own caches made by other code, and its QuantizedKVCache through the packed-K/V kernel);
   3. otherwise -> mlx-lm's original code, unchanged.
 Caches install the hook themselves (AttendingCache.__new__); nothing else needs to call `install`.
 """
 
 import types
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models import base as _base
@@ -26,7 +28,9 @@ _target = _base.scaled_dot_product_attention
 _original_code = _target.__code__
 # A callable copy of mlx-lm's original function, immune to the code swap.
 _original = types.FunctionType(_original_code, _target.__globals__, "scaled_dot_product_attention", _target.__defaults__)
-_fast_cpu_attention = False
+# None: the default (the policies' caches attend with the fused kernel, other caches with mlx-lm's
+# attention); True: every cache on CPU streams; False: mlx-lm's attention wherever a cache lets it.
+_fast_cpu_attention = None
 
 
 def _trampoline(queries, keys, values, cache, scale, mask, sinks=None):
@@ -37,13 +41,21 @@ def _dispatch(queries, keys, values, cache, scale, mask, sinks=None):
     attend = getattr(cache, "attend", None)
     if attend is not None:
         return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    if _fast_cpu_attention and mx.default_device() == mx.cpu:
-        if hasattr(cache, "bits"):  # mlx-lm's QuantizedKVCache: keys / values are packed triples
-            return quantized_scaled_dot_product_attention_with_scores(
-                queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks, bits=cache.bits, group_size=cache.group_size
-            )[0]
-        return scaled_dot_product_attention_with_scores(queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks)[0]
+    if _fast_cpu_attention is True:
+        return fused_attention(queries, keys, values, cache, scale, mask, sinks)
     return _original(queries, keys, values, cache, scale, mask, sinks)
+
+
+def fused_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """The fused kernel as the attention of mlx-lm's dense caches, and of its QuantizedKVCache through
+    the packed-K/V kernel, on CPU streams; mlx-lm's own attention elsewhere."""
+    if mx.default_device() != mx.cpu:
+        return _original(queries, keys, values, cache, scale, mask, sinks)
+    if hasattr(cache, "bits"):  # mlx-lm's QuantizedKVCache: keys / values are packed triples
+        return quantized_scaled_dot_product_attention_with_scores(
+            queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks, bits=cache.bits, group_size=cache.group_size
+        )[0]
+    return scaled_dot_product_attention_with_scores(queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks)[0]
 
 
 class _AttendProbe:
@@ -91,14 +103,25 @@ def installed() -> bool:
     return MLX_LM_CALLS_ATTEND or _target.__code__ is not _original_code
 
 
-def use_fast_cpu_attention(enabled: bool = True) -> None:
-    """Opt in (or out) to the fused CPU kernel as the attention of every mlx-lm model on CPU streams
-    (dense caches, and mlx-lm's QuantizedKVCache)."""
+def use_fast_cpu_attention(enabled: Optional[bool] = True) -> None:
+    """True: the fused CPU kernel as the attention of every mlx-lm model on CPU streams, whatever made
+    its cache (dense caches, and mlx-lm's QuantizedKVCache). False: mlx-lm's own attention for
+    mlx-lm's caches, the `full` and `rotating` policies' included (the `mlx-h2o` CLI's
+    `--attention stock`). None: the default, the policies' caches on the fused kernel and others on
+    mlx-lm's."""
     global _fast_cpu_attention
-    _fast_cpu_attention = bool(enabled)
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"enabled must be True, False or None, got {enabled!r}")
+    _fast_cpu_attention = enabled
     if enabled:
         _swap()
 
 
 def fast_cpu_attention_enabled() -> bool:
-    return _fast_cpu_attention and _target.__code__ is not _original_code
+    """Whether every mlx-lm cache on CPU streams attends with the fused kernel (the opt-in)."""
+    return _fast_cpu_attention is True and _target.__code__ is not _original_code
+
+
+def baseline_attention_fused() -> bool:
+    """Whether the baseline policies' mlx-lm caches attend with the fused kernel (unless opted out)."""
+    return _fast_cpu_attention is not False

@@ -70,9 +70,9 @@ def test_architecture_generates_with_bounded_cache(arch):
     layers = _h2o_layers(cache)
     assert layers and all(c.peak <= M and c.evictions > 0 for c in layers)
     assert all(c.offset >= 20 + 299 for c in layers)  # generate_step runs one step ahead
-    # Sliding-window layers keep their own cache.
+    # Sliding-window layers keep their own cache (attended by the fused kernel, as every policy's).
     kinds = {type(c).__name__ for c in cache}
-    assert kinds == ({"H2OKVCache", "RotatingKVCache"} if arch in ("gemma3", "gpt_oss") else {"H2OKVCache"})
+    assert kinds == ({"H2OKVCache", "FusedRotatingKVCache"} if arch in ("gemma3", "gpt_oss") else {"H2OKVCache"})
     inline = arch == "gemma2"  # mlx-lm's gemma2 attends inline: no scores, a warned fallback
     assert all(c.scoreless == inline for c in layers)
     assert any("no attention scores" in str(w.message) for w in caught) == inline
@@ -147,17 +147,15 @@ def test_without_the_hook_the_cache_falls_back():
     fallback = [H2OKVCache(H2OConfig.build(16)) for _ in model.layers]
     hook.remove()
     try:
-        cache = mlx_h2o.make_cache(model, "rotating", max_kv_size=16)
-        assert not hook.installed()  # other policies do not install it
         with pytest.warns(RuntimeWarning, match="no attention scores"):
             step_logits(model, x, fallback)
         assert all(c.scoreless for c in fallback)
     finally:
         hook.install()
-    # The hook is a no-op for other caches.
-    full_hooked = step_logits(model, x, mlx_h2o.make_cache(model, "full"))
+    # The hook is a no-op for mlx-lm's own caches (made by mlx-lm, not by a policy).
+    full_hooked = step_logits(model, x, lm_cache.make_prompt_cache(model))
     hook.remove()
-    full_plain = step_logits(model, x, mlx_h2o.make_cache(model, "full"))
+    full_plain = step_logits(model, x, lm_cache.make_prompt_cache(model))
     hook.install()
     np.testing.assert_array_equal(full_hooked, full_plain)
 

@@ -34,8 +34,10 @@ def register_cache_class(cls):
 def per_layer_caches(model, make_layer_cache):
     """One cache per layer: `make_layer_cache(i)` (i counts the replaced layers) replaces each plain
     `KVCache` of the model's default layout; layers with their own layout (sliding-window, SSM state,
-    MLA...) keep theirs."""
+    MLA...) keep theirs, attended by the fused kernel where they are mlx-lm's dense caches."""
     from mlx_lm.models import cache as lm_cache
+
+    from .baseline import with_fused_attention
 
     default = model.make_cache() if hasattr(model, "make_cache") else [lm_cache.KVCache() for _ in model.layers]
     out, index = [], 0
@@ -43,7 +45,7 @@ def per_layer_caches(model, make_layer_cache):
         if type(c) is lm_cache.KVCache:
             c = make_layer_cache(index)
             index += 1
-        out.append(c)
+        out.append(with_fused_attention(c))
     return out
 
 
