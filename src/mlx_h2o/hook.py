@@ -50,7 +50,7 @@ def fused_attention(queries, keys, values, cache, scale, mask, sinks=None):
     """The fused kernel as the attention of mlx-lm's dense caches, and of its QuantizedKVCache through
     the packed-K/V kernel, on CPU streams; mlx-lm's own attention elsewhere."""
     if mx.default_device() != mx.cpu:
-        return _original(queries, keys, values, cache, scale, mask, sinks)
+        return mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks)
     if hasattr(cache, "bits"):  # mlx-lm's QuantizedKVCache: keys / values are packed triples
         return quantized_scaled_dot_product_attention_with_scores(
             queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks, bits=cache.bits, group_size=cache.group_size
@@ -78,7 +78,11 @@ MLX_LM_CALLS_ATTEND = _probe_native_attend()
 
 
 def mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's own attention for a cache without `attend` (e.g. a GPU fallback inside `attend`)."""
+    """mlx-lm's own attention for what `cache` returned (e.g. a GPU fallback inside `attend`). A cache
+    with `attend` is handed on as only what mlx-lm's function reads of it, its quantization: the
+    patched mlx-lm would call its `attend` again."""
+    if hasattr(cache, "attend"):
+        cache = types.SimpleNamespace(bits=cache.bits, group_size=cache.group_size) if hasattr(cache, "bits") else None
     return _original(queries, keys, values, cache, scale, mask, sinks)
 
 
