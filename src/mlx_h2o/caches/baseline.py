@@ -10,7 +10,6 @@ names the subclass, which load_prompt_cache finds once mlx-h2o is imported (or t
 mlx-lm's policy plugins).
 """
 
-import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
 from .. import hook
@@ -29,9 +28,9 @@ class FusedAttention:
         return super().__new__(cls)
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
-        if hook.baseline_attention_fused() and mx.default_device() == mx.cpu:
-            return hook.fused_attention(queries, keys, values, self, scale, mask, sinks)
-        return hook.mlx_lm_attention(queries, keys, values, self, scale, mask, sinks)
+        if not hook.baseline_attention_fused():
+            return hook.mlx_lm_attention(queries, keys, values, self, scale, mask, sinks)
+        return hook.fused_attention(queries, keys, values, self, scale, mask, sinks)  # mlx-lm's off the CPU
 
 
 class FusedKVCache(FusedAttention, lm_cache.KVCache):

@@ -7,10 +7,9 @@ matrix are slower than dense attention. `FusedQuantizedKVCache` keeps its storag
 adds `attend`.
 """
 
-import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
-from ..attention import quantized_scaled_dot_product_attention_with_scores
+from .. import hook
 from ..options import Choice, Option, Policy
 from . import per_layer_caches, register_policy
 from .base import AttendingCache
@@ -22,13 +21,8 @@ class FusedQuantizedKVCache(AttendingCache, lm_cache.QuantizedKVCache):
     """mlx-lm's QuantizedKVCache, attended by the fused kernel on CPU streams."""
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
-        if mx.default_device() != mx.cpu:  # GPU: mlx-lm's quantized_matmul path is the fast one there
-            from ..hook import mlx_lm_attention
-
-            return mlx_lm_attention(queries, keys, values, self, scale, mask, sinks)
-        return quantized_scaled_dot_product_attention_with_scores(
-            queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks, bits=self.bits, group_size=self.group_size
-        )[0]
+        # The packed-K/V kernel on CPU streams; on GPU mlx-lm's quantized_matmul path, the fast one there.
+        return hook.fused_attention(queries, keys, values, self, scale, mask, sinks)
 
     @property
     def nbytes(self):
