@@ -146,3 +146,39 @@ def test_h2o_cache_restores_the_other_releases_way(smollm, licence_tokens):
     assert [c.offset for c in restored] == [c.offset for c in caches]
     step = mx.array(licence_tokens[80:81])[None]
     assert mx.array_equal(model(step, cache=restored), model(step, cache=caches))
+
+
+@patched_only
+@pytest.mark.parametrize("policy, options", [
+    ("full", {}),
+    ("rotating", {"max_kv_size": "64"}),
+    ("h2o", {"max_kv_size": "64"}),
+    ("h2o", {"max_kv_bytes": "3MB"}),
+    ("quantized", {}),
+    ("reserved", {}),
+    ("rotated", {}),
+])
+def test_server_kv_budget_reserves_at_least_what_each_policy_holds(smollm, licence_tokens, policy, options):
+    """mlx_lm.server --kv-budget-bytes (mlx-lm patch 0008) reserves, per request, the most its caches
+    can hold; with mlx-h2o's policies too, prompt chunks and decode steps included."""
+    from mlx_lm import server
+    from mlx_lm.models import cache_policies
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = smollm
+    options = cache_policies.get_policy(policy).parse_options(options)
+    budget = server.KVBudget(1 << 40, wait=1.0)
+    tokens = mx.array(licence_tokens[:700])[None]
+    for step in (64, 256):
+        caches = make_prompt_cache(model, policy=policy, **options)
+        held = 0
+        for i in range(0, tokens.shape[1], step):
+            model(tokens[:, i:i + step], caches)
+            mx.eval([c.state for c in caches])
+            held = max(held, sum(c.nbytes for c in caches))
+        for _ in range(8):
+            model(tokens[:, -1:], caches)
+            mx.eval([c.state for c in caches])
+            held = max(held, sum(c.nbytes for c in caches))
+        need = budget.request_bytes(model, tokens.shape[1] + 8, options, step)
+        assert 0 < held <= need, (policy, options, step, held, need)

@@ -1,13 +1,16 @@
-"""A bounded load-and-fault test of the patched `mlx_lm.server` (mlx-lm patch 0006: admission and
-limits, 400s for bad bodies), on the converted embedded model, offline, on 127.0.0.1.
+"""A bounded load-and-fault test of the patched `mlx_lm.server` (mlx-lm patches 0006-0008: admission
+and limits, 400s for bad bodies, prompt processing interleaved with decoding, clients that leave,
+--kv-budget-bytes), on the converted embedded model, offline, on 127.0.0.1.
 
-One server (`--kv-policy h2o --kv-option max_kv_size=256 --max-tokens-ceiling 48`) gets a bounded set
-of requests, each with a deadline taken from one overall budget: concurrent good chat completions,
-malformed bodies (each a 400 with a readable message), a prompt over the model's context (a 400
-before any prefill, back in well under a second), a foreign kv_policy, a client that disconnects
-mid-stream. Then: every good request got 200 with text, the server still answers, its log holds no
-traceback, and its RSS did not grow by more than a generous bound across the bad requests. The
-server is stopped in every case (`serving.serve`: SIGTERM, then SIGKILL)."""
+One server (`--kv-policy h2o --kv-option max_kv_size=256 --max-tokens-ceiling 48 --kv-budget-bytes
+80MB`) gets a bounded set of requests, each with a deadline taken from one overall budget:
+concurrent good chat completions, malformed bodies (each a 400 with a readable message), a prompt
+over the model's context (a 400 before any prefill, back in well under a second), a foreign
+kv_policy, a request whose KV cache could never fit in the budget, a long prompt with short requests
+beside it (they finish while it is still being processed), clients that disconnect mid-stream and
+before a non-streamed answer. Then: every good request got 200 with text, the server still answers,
+its log holds no traceback, and its RSS did not grow by more than a generous bound across the bad
+requests. The server is stopped in every case (`serving.serve`: SIGTERM, then SIGKILL)."""
 
 import concurrent.futures
 import importlib.util
@@ -41,10 +44,12 @@ pytestmark = [
                               "ci/run.sh runs it in build/venv-fork)"),
 ]
 
-BUDGET_S = 110.0  # the whole test, server start included (the convert is a module fixture)
+BUDGET_S = 170.0  # the whole test, server start included (the convert is a module fixture)
 M = 256
 CEILING = 48  # --max-tokens-ceiling
 RSS_GROWTH_MIB = 150  # generous: the bad requests allocate nothing that outlives them
+KV_BUDGET = "80MB"  # 4 short h2o requests (12 MB each here) and the long one (24 MB) fit
+LONG_PROMPT = 3000  # tokens: ~10 s of prompt processing on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +95,24 @@ def _stream_then_disconnect(port, timeout):
     return status_line, line
 
 
+def _post_then_disconnect(port, timeout):
+    """A non-streamed chat completion whose client closes the socket before the answer."""
+    # No end-of-text tokens (ids 0 and 2): the answer runs to max_tokens, well after the client left.
+    body = json.dumps({"messages": [{"role": "user", "content": "Count slowly from one to one hundred."}],
+                       "max_tokens": CEILING, "temperature": 0.0, "logit_bias": {"0": -1000, "2": -1000}}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {serving.HOST}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((serving.HOST, port), timeout=timeout) as sock:
+        sock.sendall(head + body)
+        time.sleep(0.3)
+
+
 def test_server_survives_bad_and_abusive_requests(model_dir, tmp_path):
     deadline = Deadline(BUDGET_S)
     with open(os.path.join(model_dir, "config.json")) as f:
         context = json.load(f)["max_position_embeddings"]
     args = ["--kv-policy", "h2o", "--kv-option", f"max_kv_size={M}", "--max-tokens-ceiling", str(CEILING),
-            "--prompt-cache-size", "2", "--max-tokens", "16"]
+            "--prompt-cache-size", "2", "--max-tokens", "16", "--kv-budget-bytes", KV_BUDGET]
     log_path = str(tmp_path / "server.log")
     with serving.serve(model_dir, args, log_path=log_path, startup_timeout=deadline.left(90)) as server:
         port = server.port
@@ -133,6 +150,8 @@ def test_server_survives_bad_and_abusive_requests(model_dir, tmp_path):
             (chat, {"messages": hello, "kv_options": {"bogus": 1}}, None, "unknown option(s) bogus"),
             (chat, {"messages": [{"role": "user", "content": over_long}]}, None,
              f"tokens; this server accepts at most {context} (the model's context)"),
+            (chat, {"messages": [{"role": "user", "content": " ".join(["word"] * 1800)}], "max_tokens": 40,
+                    "kv_options": {"max_kv_size": 2048}}, None, "--kv-budget-bytes is 80000000"),
         ]
         seconds = {}
         for path, body, raw, fragment in bad:
@@ -141,7 +160,7 @@ def test_server_survives_bad_and_abusive_requests(model_dir, tmp_path):
             assert status == 400, (body if raw is None else raw, status, reply)
             assert fragment in _error(reply), (fragment, reply)
             assert "Traceback" not in _error(reply) and "object has no attribute" not in _error(reply), reply
-        over_long_s = seconds[bad[-1][3]]
+        over_long_s = seconds[bad[-2][3]]
         assert over_long_s < 1.0, f"the over-long prompt took {over_long_s:.2f} s to be refused"
         rss_after = server.rss_mib()
         assert rss_after <= rss_before + RSS_GROWTH_MIB, (rss_before, rss_after)
@@ -160,6 +179,30 @@ def test_server_survives_bad_and_abusive_requests(model_dir, tmp_path):
             deadline.left()
             time.sleep(0.1)
 
+        # A non-streaming client that leaves: the server notices without writing to it.
+        _post_then_disconnect(port, deadline.left())
+        while server.log().count("Client disconnected") < 2:
+            deadline.left()
+            time.sleep(0.1)
+
+        # A long prompt does not stop the short requests beside it: they finish while it is
+        # still being processed (prompt steps of 128 tokens, a quarter of the time while others decode).
+        from mlx_lm.utils import load_tokenizer
+
+        long_text = serving.long_prompt(load_tokenizer(model_dir), LONG_PROMPT)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            long = pool.submit(serving.chat, port, [{"role": "user", "content": long_text}], 4, True, deadline.left())
+            time.sleep(0.5)
+            short = [pool.submit(serving.chat, port, [{"role": "user", "content": p}], 8, True, deadline.left())
+                     for p in prompts]
+            short = [f.result(timeout=deadline.left() + 5) for f in short]
+            long = long.result(timeout=deadline.left() + 5)
+        assert long.status == 200 and long.text.strip(), long
+        assert all(c.status == 200 and c.text.strip() for c in short), [(c.status, c.error) for c in short]
+        short_s = max(c.seconds for c in short)
+        assert short_s < long.ttft / 2, (f"short requests took up to {short_s:.1f} s beside a long prompt "
+                                         f"answered after {long.ttft:.1f} s")
+
         # Still serving: health, models (offline: no hub cache, no traceback), a chat completion.
         status, reply = serving.request(port, "GET", "/health", timeout=deadline.left())
         assert status == 200 and reply == {"status": "ok"}, reply
@@ -170,5 +213,6 @@ def test_server_survives_bad_and_abusive_requests(model_dir, tmp_path):
         log = server.log()
     assert "Traceback" not in log, log[-4000:]
     print(f"\nfault test: {len(bad)} bad requests answered 400; the over-long prompt ({2 * context} words) in "
-          f"{over_long_s * 1000:.0f} ms; RSS {rss_before:.0f} -> {rss_after:.0f} MiB; "
+          f"{over_long_s * 1000:.0f} ms; RSS {rss_before:.0f} -> {rss_after:.0f} MiB; short requests beside a "
+          f"{LONG_PROMPT}-token prompt in {short_s:.1f} s, its TTFT {long.ttft:.1f} s; "
           f"{BUDGET_S - (deadline.end - time.monotonic()):.0f} s in all")

@@ -110,11 +110,14 @@ class Completion:
     seconds: float  # request sent -> last byte
     ttft: Optional[float]  # request sent -> first content (streaming only)
     error: Optional[str] = None
+    usage: Optional[dict] = None  # the server's token counts (cached_tokens: the prompt cache's share)
 
 
 def chat(port: int, messages: List[dict], max_tokens: int, stream: bool, timeout: float = 300.0, **fields) -> Completion:
     """One chat completion; a streamed one is read as server-sent events until [DONE]."""
     body = {"messages": messages, "max_tokens": max_tokens, "stream": stream, "temperature": 0.0, **fields}
+    if stream:
+        body.setdefault("stream_options", {"include_usage": True})
     tic = time.perf_counter()
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
@@ -129,8 +132,9 @@ def chat(port: int, messages: List[dict], max_tokens: int, stream: bool, timeout
                 return Completion(response.status, "", seconds, None, payload)
             if response.status != 200:
                 return Completion(response.status, "", seconds, None, str(payload.get("error", payload)))
-            return Completion(200, payload["choices"][0]["message"]["content"] or "", seconds, None)
-        parts, ttft = [], None
+            return Completion(200, payload["choices"][0]["message"]["content"] or "", seconds, None,
+                              usage=payload.get("usage"))
+        parts, ttft, usage = [], None, None
         for line in response:
             line = line.decode("utf-8", errors="replace").strip()
             if not line.startswith("data:"):
@@ -138,11 +142,15 @@ def chat(port: int, messages: List[dict], max_tokens: int, stream: bool, timeout
             data = line[len("data:"):].strip()
             if data == "[DONE]":
                 break
-            delta = json.loads(data)["choices"][0].get("delta", {}).get("content") or ""
+            chunk = json.loads(data)
+            usage = chunk.get("usage") or usage
+            if not chunk.get("choices"):
+                continue  # the usage chunk
+            delta = chunk["choices"][0].get("delta", {}).get("content") or ""
             if delta and ttft is None:
                 ttft = time.perf_counter() - tic
             parts.append(delta)
-        return Completion(200, "".join(parts), time.perf_counter() - tic, ttft)
+        return Completion(200, "".join(parts), time.perf_counter() - tic, ttft, usage=usage)
     finally:
         conn.close()
 
