@@ -19,6 +19,10 @@ Parts:
               prompts: TTFT and server RSS.
   rss         --requests mixed requests from 4 clients (short, long, follow-up turns, malformed
               bodies, over-long prompts): server RSS every 50 requests, a PNG of the curve.
+  steps       in this process, no server: prefill speed of a 2,048-token prompt in steps of
+              2048, 256 and 128 tokens (the price of --prefill-step-size), full and h2o.
+  budget      in this process: the most each policy's caches hold through a chunked prefill and a
+              few decode steps, against what --kv-budget-bytes reserves for the request.
 
 Times are client-side. Nothing else should run while this does: it prints the load average with
 every table, and refuses to start above --max-load unless --allow-load is given.
@@ -35,7 +39,7 @@ from pathlib import Path
 
 from mlx_h2o import serving
 
-PARTS = ("throughput", "interleave", "turns", "sharing", "rss")
+PARTS = ("throughput", "interleave", "turns", "sharing", "rss", "steps", "budget")
 
 
 def load() -> str:
@@ -283,6 +287,88 @@ def part_rss(args, model_dir, tokenizer, policies, out):
     except ImportError:
         print("(no matplotlib: no plot)")
     return {"curve": curve, "statuses": statuses, "ratio": ratio}
+
+
+def licence_tokens(tokenizer, n):
+    with open("/usr/share/common-licenses/GPL-3", encoding="utf-8") as f:
+        return tokenizer.encode(f.read())[:n]
+
+
+def part_steps(args, model_dir, tokenizer, policies):
+    import mlx.core as mx
+    from mlx_lm import load as load_model
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load_model(model_dir)
+    x = mx.array(licence_tokens(tokenizer, 2048))[None]
+    cache_options = {"full": {}, "h2o": {"max_kv_size": args.max_kv_size}}
+
+    def prefill(policy, step):
+        cache = make_prompt_cache(model, policy=policy, **cache_options[policy])
+        tic = time.perf_counter()
+        for i in range(0, x.shape[1], step):
+            model(x[:, i:i + step], cache=cache)
+            mx.eval([c.state for c in cache])
+        return x.shape[1] / (time.perf_counter() - tic)
+
+    steps, rows = (2048, 256, 128), {}
+    for policy in cache_options:
+        prefill(policy, 256)  # warm-up
+        runs = {step: [] for step in steps}
+        for _ in range(3):  # steps alternate within each round
+            for step in steps:
+                runs[step].append(prefill(policy, step))
+        rows[policy] = {step: statistics.median(v) for step, v in runs.items()}
+        print(f"  steps {policy}: {rows[policy]} ({load()})", flush=True)
+    print(f"\n### Prefill of a {x.shape[1]}-token prompt by step size (median of 3, tok/s; {load()})")
+    print("| cache | " + " | ".join(f"step {s}" for s in steps) + " |")
+    print("| --- |" + " --- |" * len(steps))
+    for policy, row in rows.items():
+        print(f"| {policy} | " + " | ".join(
+            f"{row[s]:.0f}" + ("" if s == steps[0] else f" ({row[s] / row[steps[0]] - 1:+.0%})") for s in steps) + " |")
+    return rows
+
+
+def part_budget(args, model_dir, tokenizer, policies):
+    import mlx.core as mx
+    from mlx_lm import load as load_model
+    from mlx_lm import server
+    from mlx_lm.models import cache_policies
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if not hasattr(server, "KVBudget"):
+        raise SystemExit("budget: needs the patched mlx-lm (patch 0008, --kv-budget-bytes)")
+    model, _ = load_model(model_dir)
+    budget = server.KVBudget(1 << 40, wait=1.0)
+    specs = [("full", {}), ("rotating", {"max_kv_size": "256"}), ("h2o", {"max_kv_size": "256"}),
+             ("h2o", {"max_kv_size": "64"}), ("h2o", {"max_kv_bytes": "8MB"}), ("quantized", {}), ("rotated", {})]
+    rows = []
+    for policy, raw in specs:
+        options = cache_policies.get_policy(policy).parse_options(raw)
+        for n in (100, 700, 2000):
+            for step in (128, 2048):
+                cache = make_prompt_cache(model, policy=policy, **options)
+                x = mx.array(licence_tokens(tokenizer, n))[None]
+                held = 0
+                for i in range(0, n, step):
+                    model(x[:, i:i + step], cache=cache)
+                    mx.eval([c.state for c in cache])
+                    held = max(held, sum(c.nbytes for c in cache))
+                for _ in range(20):
+                    model(x[:, -1:], cache=cache)
+                    mx.eval([c.state for c in cache])
+                    held = max(held, sum(c.nbytes for c in cache))
+                need = budget.request_bytes(model, n + 20, options, step)
+                rows.append({"policy": policy, "options": raw, "prompt": n, "step": step, "held": held, "reserved": need})
+    print("\n### What each request's caches hold against what --kv-budget-bytes reserves (prompt + 20 tokens)")
+    print("| policy | options | prompt | step | held (MB) | reserved (MB) | held / reserved |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['policy']} | {r['options'] or '—'} | {r['prompt']} | {r['step']} | {r['held'] / 1e6:.1f} | "
+              f"{r['reserved'] / 1e6:.1f} | {r['held'] / r['reserved']:.2f} |")
+    over = [r for r in rows if r["held"] > r["reserved"]]
+    print("every reservation holds" if not over else f"OVER in {len(over)} rows: {over}")
+    return rows
 
 
 def main(argv=None):
