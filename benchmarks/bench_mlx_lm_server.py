@@ -25,7 +25,8 @@ Parts:
               few decode steps, against what --kv-budget-bytes reserves for the request.
 
 Times are client-side. Nothing else should run while this does: it prints the load average with
-every table, and refuses to start above --max-load unless --allow-load is given.
+every table, and waits for a quiet machine first (bench_peer's check: --max-load, --max-busy,
+--wait; it refuses after --wait seconds unless --allow-load is given).
 """
 
 import argparse
@@ -34,8 +35,11 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+from bench_peer import wait_quiet
 
 from mlx_h2o import serving
 
@@ -222,12 +226,13 @@ def part_sharing(args, model_dir, tokenizer, policies):
     return rows
 
 
-def part_rss(args, model_dir, tokenizer, policies, out):
+def part_rss(args, model_dir, tokenizer, policies):
     """Mixed traffic; the server's RSS after every 50 requests."""
+    out = Path(args.out)
     medium = [serving.long_prompt(tokenizer, 300, seed=80 + i) for i in range(7)]
     with open(os.path.join(model_dir, "config.json")) as f:
         over_long = " ".join(["hello"] * (2 * json.load(f)["max_position_embeddings"]))
-    curve, statuses, lock = [], {}, __import__("threading").Lock()
+    curve, statuses, lock = [], {}, threading.Lock()
     counter = iter(range(args.requests))
 
     def one(n):
@@ -294,6 +299,20 @@ def licence_tokens(tokenizer, n):
         return tokenizer.encode(f.read())[:n]
 
 
+def feed(model, x, cache, step, decode_steps=0):
+    """x through the caches in prompt steps of `step` tokens, then `decode_steps` single tokens; the
+    most bytes the caches held after any step."""
+    import mlx.core as mx
+
+    held = 0
+    chunks = [x[:, i:i + step] for i in range(0, x.shape[1], step)] + [x[:, -1:]] * decode_steps
+    for chunk in chunks:
+        model(chunk, cache=cache)
+        mx.eval([c.state for c in cache])
+        held = max(held, sum(c.nbytes for c in cache))
+    return held
+
+
 def part_steps(args, model_dir, tokenizer, policies):
     import mlx.core as mx
     from mlx_lm import load as load_model
@@ -306,9 +325,7 @@ def part_steps(args, model_dir, tokenizer, policies):
     def prefill(policy, step):
         cache = make_prompt_cache(model, policy=policy, **cache_options[policy])
         tic = time.perf_counter()
-        for i in range(0, x.shape[1], step):
-            model(x[:, i:i + step], cache=cache)
-            mx.eval([c.state for c in cache])
+        feed(model, x, cache, step)
         return x.shape[1] / (time.perf_counter() - tic)
 
     steps, rows = (2048, 256, 128), {}
@@ -348,16 +365,7 @@ def part_budget(args, model_dir, tokenizer, policies):
         for n in (100, 700, 2000):
             for step in (128, 2048):
                 cache = make_prompt_cache(model, policy=policy, **options)
-                x = mx.array(licence_tokens(tokenizer, n))[None]
-                held = 0
-                for i in range(0, n, step):
-                    model(x[:, i:i + step], cache=cache)
-                    mx.eval([c.state for c in cache])
-                    held = max(held, sum(c.nbytes for c in cache))
-                for _ in range(20):
-                    model(x[:, -1:], cache=cache)
-                    mx.eval([c.state for c in cache])
-                    held = max(held, sum(c.nbytes for c in cache))
+                held = feed(model, mx.array(licence_tokens(tokenizer, n))[None], cache, step, decode_steps=20)
                 need = budget.request_bytes(model, n + 20, options, step)
                 rows.append({"policy": policy, "options": raw, "prompt": n, "step": step, "held": held, "reserved": need})
     print("\n### What each request's caches hold against what --kv-budget-bytes reserves (prompt + 20 tokens)")
@@ -388,20 +396,15 @@ def main(argv=None):
     p.add_argument("--requests", type=int, default=1000, help="rss: how many requests")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
     p.add_argument("--out", default="results/server", help="JSON and PNG go here")
-    p.add_argument("--max-load", type=float, default=1.0)
-    p.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the load to fall below --max-load")
-    p.add_argument("--allow-load", action="store_true", help="run on a busy machine (the numbers mean little)")
+    p.add_argument("--max-load", type=float, default=1.0, help="1-minute load required before the first part")
+    p.add_argument("--max-busy", type=float, default=0.3, help="cores other work may keep busy before the first part")
+    p.add_argument("--wait", type=int, default=300, help="seconds to wait for a quiet machine")
+    p.add_argument("--allow-load", action="store_true", help="warn instead of refusing on a busy machine")
     args = p.parse_args(argv)
     parts = args.parts or list(PARTS)
     if set(parts) - set(PARTS):
         p.error(f"unknown part(s) {sorted(set(parts) - set(PARTS))}: choose from {', '.join(PARTS)}")
-    deadline = time.monotonic() + args.wait
-    while os.getloadavg()[0] >= args.max_load and not args.allow_load and time.monotonic() < deadline:
-        print(f"waiting for a quiet machine ({load()})", flush=True)
-        time.sleep(15)
-    if os.getloadavg()[0] >= args.max_load and not args.allow_load:
-        p.error(f"the machine is busy ({load()}); wait for the 1-minute load to fall below {args.max_load} "
-                "or pass --allow-load")
+    wait_quiet(args, first=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = {"h2o": ["--kv-policy", "h2o", "--kv-option", f"max_kv_size={args.max_kv_size}"],
@@ -423,10 +426,7 @@ def main(argv=None):
         results = {}
         for part in parts:
             tic = time.perf_counter()
-            if part == "rss":
-                results[part] = part_rss(args, model_dir, tokenizer, policies, out)
-            else:
-                results[part] = globals()[f"part_{part}"](args, model_dir, tokenizer, policies)
+            results[part] = globals()[f"part_{part}"](args, model_dir, tokenizer, policies)
             print(f"({part}: {time.perf_counter() - tic:.0f} s)", flush=True)
             with open(out / f"{part}.json", "w") as f:
                 json.dump({"args": vars(args), "rows": results[part]}, f, indent=1)

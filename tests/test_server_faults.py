@@ -77,14 +77,20 @@ def _error(reply) -> str:
     return reply.get("error", "") if isinstance(reply, dict) else str(reply)
 
 
-def _stream_then_disconnect(port, timeout):
-    """A streamed chat completion whose client closes the socket after the first content chunk."""
+def _raw_chat(port, timeout, **fields):
+    """A socket that has sent a chat completion (counting slowly), for a client that then leaves."""
     body = json.dumps({"messages": [{"role": "user", "content": "Count slowly from one to one hundred."}],
-                       "max_tokens": CEILING, "stream": True, "temperature": 0.0}).encode()
+                       "max_tokens": CEILING, "temperature": 0.0, **fields}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {serving.HOST}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
-    with socket.create_connection((serving.HOST, port), timeout=timeout) as sock:
-        sock.sendall(head + body)
+    sock = socket.create_connection((serving.HOST, port), timeout=timeout)
+    sock.sendall(head + body)
+    return sock
+
+
+def _stream_then_disconnect(port, timeout):
+    """A streamed chat completion whose client closes the socket after the first content chunk."""
+    with _raw_chat(port, timeout, stream=True) as sock:
         stream = sock.makefile("rb")
         status_line = stream.readline()
         while True:
@@ -98,12 +104,7 @@ def _stream_then_disconnect(port, timeout):
 def _post_then_disconnect(port, timeout):
     """A non-streamed chat completion whose client closes the socket before the answer."""
     # No end-of-text tokens (ids 0 and 2): the answer runs to max_tokens, well after the client left.
-    body = json.dumps({"messages": [{"role": "user", "content": "Count slowly from one to one hundred."}],
-                       "max_tokens": CEILING, "temperature": 0.0, "logit_bias": {"0": -1000, "2": -1000}}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {serving.HOST}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    with socket.create_connection((serving.HOST, port), timeout=timeout) as sock:
-        sock.sendall(head + body)
+    with _raw_chat(port, timeout, logit_bias={"0": -1000, "2": -1000}):
         time.sleep(0.3)
 
 
