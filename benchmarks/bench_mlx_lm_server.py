@@ -17,6 +17,10 @@ Parts:
   sharing     8 concurrent requests behind one shared --system-tokens system prompt (after one
               request has left its snapshot in the prompt cache) against 8 with distinct system
               prompts: TTFT and server RSS.
+  held        in this process, through the server's prompt-cache store and BatchGenerator: the KV
+              memory 8 concurrent requests behind one --system-tokens system prompt add to its
+              snapshot's, as copies of the snapshot (how the server serves them: rows shared, copy
+              on write) against independent copies; h2o (M = 2048 and --max-kv-size) and full.
   rss         --requests mixed requests from 4 clients (short, long, follow-up turns, malformed
               bodies, over-long prompts): server RSS every 50 requests, a PNG of the curve.
   steps       in this process, no server: prefill speed of a 2,048-token prompt in steps of
@@ -43,7 +47,7 @@ from bench_peer import wait_quiet
 
 from mlx_h2o import serving
 
-PARTS = ("throughput", "interleave", "turns", "sharing", "rss", "steps", "budget")
+PARTS = ("throughput", "interleave", "turns", "sharing", "held", "rss", "steps", "budget")
 
 
 def load() -> str:
@@ -376,6 +380,59 @@ def part_budget(args, model_dir, tokenizer, policies):
               f"{r['reserved'] / 1e6:.1f} | {r['held'] / r['reserved']:.2f} |")
     over = [r for r in rows if r["held"] > r["reserved"]]
     print("every reservation holds" if not over else f"OVER in {len(over)} rows: {over}")
+    return rows
+
+
+def part_held(args, model_dir, tokenizer, policies):
+    import gc
+
+    import mlx.core as mx
+    from mlx_lm import load as load_model
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    model, _ = load_model(model_dir)
+    system = licence_tokens(tokenizer, args.system_tokens)
+    questions = [tokenizer.encode(f" In one sentence, what does section {i + 1} say?") for i in range(8)]
+    specs = [("h2o", {"max_kv_size": 2048}), ("h2o", {"max_kv_size": args.max_kv_size}), ("full", {})]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy, options in specs:
+            snapshot = make_prompt_cache(model, policy=policy, **options)
+            feed(model, mx.array(system)[None], snapshot, 128)
+            prefix = sum(c.nbytes for c in snapshot)
+            path = os.path.join(tmp, "system.safetensors")
+            save_prompt_cache(path, snapshot)
+            store = LRUPromptCache()  # the server's prompt-cache store, holding the system prompt's snapshot
+            store.insert_cache("model", system, snapshot, cache_type="system")
+            del snapshot
+            for mode in ("copies of the snapshot", "independent copies"):
+                gc.collect()
+                mx.clear_cache()
+                base = mx.get_active_memory()
+                if mode == "copies of the snapshot":  # what the server does: fetch_nearest_cache deep-copies
+                    fetched = [store.fetch_nearest_cache("model", system + q) for q in questions]
+                    caches, prompts = [c for c, _ in fetched], [rest for _, rest in fetched]
+                else:  # each request its own rows (as before copy-on-write storage)
+                    caches, prompts, fetched = [load_prompt_cache(path) for _ in questions], questions, None
+                gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=128)
+                gen.insert(prompts, [args.max_tokens] * len(prompts), caches=caches)
+                del caches, fetched
+                peak, left = 0, len(prompts)
+                while left:
+                    left -= sum(r.finish_reason is not None for r in gen.next_generated())
+                    peak = max(peak, mx.get_active_memory() - base)
+                gen.close()
+                del gen
+                rows.append({"policy": policy, "options": options, "mode": mode, "prefix": prefix, "added": peak})
+                print(f"  held {policy} {options} {mode}: {peak / 1e6:.1f} MB added ({load()})", flush=True)
+    print(f"\n### 8 concurrent requests behind one {args.system_tokens}-token system prompt: KV memory they add to "
+          f"the snapshot's (peak active MLX memory, {args.max_tokens} new tokens each)")
+    print("| policy | options | the snapshot (MB) | requests' caches | added by 8 requests (MB) | in snapshots |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['policy']} | {r['options'] or '—'} | {r['prefix'] / 1e6:.1f} | {r['mode']} | {r['added'] / 1e6:.1f} | "
+              f"{r['added'] / r['prefix']:.2f} |")
     return rows
 
 

@@ -3,12 +3,14 @@ random chunks, compacted by random gathers, trimmed, saved and loaded must be ex
 reference rows in the storage's format (dense, packed, tiered), and rotated storage must attend
 like the plain rows."""
 
+import copy
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_h2o import PackedKV, attention_with_scores
-from mlx_h2o.storage import KVStore, RotatedKV, TieredKV, gather_rows, make_kv_storage
+from mlx_h2o.storage import KVStore, kv, RotatedKV, TieredKV, gather_rows, make_kv_storage
 
 B, H, D = 2, 3, 64
 GROUP = 32
@@ -125,6 +127,91 @@ def test_dense_store_fetch_gives_arrays_and_nbytes_counts_live_rows():
     packed.append(k, v)
     segments, none = packed.fetch()
     assert none is None and isinstance(segments[0][0], PackedKV)
+
+
+def _assert_rows(store, ref, bits):
+    """The store's segments, in order, are the reference rows in its format."""
+    start = 0
+    for k, v in store.segments():
+        n = (k if isinstance(k, mx.array) else k.packed).shape[2]
+        _assert_segment(k, mx.array(ref.k[:, :, start : start + n]), bits)
+        _assert_segment(v, mx.array(ref.v[:, :, start : start + n]), bits)
+        start += n
+    assert start == store.length == ref.k.shape[2]
+
+
+def _same_state(a, b):
+    for x, y in zip(a.state()["k"] + a.state()["v"], b.state()["k"] + b.state()["v"]):
+        assert mx.array_equal(x, y)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_copies_share_their_rows_until_they_rewrite_them(bits):
+    """copy.deepcopy shares the rows held (no bytes copied); the original and each copy append after
+    them on their own, and copy them only to rewrite them (a gather, a trim into them). Each store
+    holds exactly what an independent copy (loaded from the state) holds after the same calls."""
+    rng = np.random.default_rng(11)
+    store, ref = KVStore(bits, GROUP), Reference()
+    for _ in range(3):  # ~1,800 rows: megabytes, well above the allocator's noise
+        k, v = _rows(rng, 600)
+        store.append(k, v)
+        ref.append(k, v)
+    prefix = store.nbytes()
+    new_rows = [_rows(rng, 3) for _ in range(4)]
+    independent = []
+    for k, v in new_rows:
+        plain = KVStore(bits, GROUP)
+        plain.load(store.state())
+        plain.append(k, v)
+        independent.append(plain)
+    mx.eval([x.state() for x in independent])
+    before = mx.get_active_memory()
+    twins, refs = [store] + [copy.deepcopy(store) for _ in range(3)], [ref] + [copy.deepcopy(ref) for _ in range(3)]
+    for twin, r, (k, v) in zip(twins, refs, new_rows):
+        twin.append(k, v)
+        r.append(k, v)
+    mx.eval([seg for twin in twins for seg in twin.segments()])
+    # Four stores past the shared rows, each with its 3 new rows in a buffer of its own: less than
+    # one more copy of the prefix (copies would take three).
+    assert mx.get_active_memory() - before < prefix
+    assert all(twin.nbytes() == plain.nbytes() for twin, plain in zip(twins, independent))
+    for i, (twin, plain, r) in enumerate(zip(twins, independent, refs)):
+        if bits is None:
+            _assert_rows(twin, r, bits)
+        _same_state(twin, plain)
+        _exercise(twin, copy.deepcopy(r), np.random.default_rng(i), steps=8)  # gathers and trims copy the prefix first
+        _exercise(plain, r, np.random.default_rng(i), steps=8)
+        _same_state(twin, plain)
+        if bits is None:
+            _assert_rows(twin, r, bits)
+
+
+def test_a_store_copied_turn_after_turn_reads_a_bounded_number_of_segments():
+    rng = np.random.default_rng(12)
+    store, ref = KVStore(None), Reference()
+    for _ in range(12):  # a chat's snapshots: a copy at the end of every turn
+        k, v = _rows(rng, 5)
+        store.append(k, v)
+        ref.append(k, v)
+        store = copy.deepcopy(store)
+    assert len(store.segments()) <= kv.MAX_SHARED_PIECES + 1
+    _assert_rows(store, ref, None)
+
+
+def test_tiers_copied_turn_after_turn_fetch_what_the_fused_op_takes():
+    """Two tiers, each shared in pieces: fetch gives at most the op's segment limit, the rows of a
+    storage never copied."""
+    rng = np.random.default_rng(13)
+    store, plain = TieredKV(4, None, 6, GROUP), TieredKV(4, None, 6, GROUP)
+    for _ in range(4):
+        k, v = _rows(rng, 9)
+        store.append(k, v)
+        plain.append(k, v)
+        store = copy.deepcopy(store)
+    segments, _ = store.fetch()
+    assert len(segments) <= kv.MAX_SEGMENTS
+    for tier in ("low", "high"):
+        _same_state(getattr(store, tier), getattr(plain, tier))
 
 
 @pytest.mark.parametrize("low, high", [(4, 8), (8, None), (4, None), (8, 4)])

@@ -59,3 +59,39 @@ def test_batch_generator_equals_each_sequence_alone():
     for cache in finished.values():
         assert all(isinstance(c, H2OKVCache) and c.size() <= min(M + 2, c.offset) for c in cache)
     assert sorted(max(c.offset for c in cache) for cache in finished.values()) == sorted(len(p) + n for p, n in zip(prompts, steps))
+
+
+@pytest.mark.parametrize("options", [dict(max_kv_size=1024), dict(max_kv_size=40),
+                                     dict(max_kv_size=1024, kv_bits="8/4", evicted_bits="4"),
+                                     dict(max_kv_size=40, kv_bits="8/4", evicted_bits="4")])
+def test_requests_forked_from_one_snapshot_generate_as_independent_copies(options, tmp_path):
+    """mlx-lm's server deep-copies a prompt-cache snapshot (a shared system prompt) for each request:
+    the copies share its rows (storage/kv.py) and generate exactly what independent copies loaded
+    from a file generate, whether they evict (M = 40: each copies the rows before compacting them)
+    or not (M = 1024: the rows stay shared), in one format or two tiers with an archive (more
+    segments than the fused op takes, until the copies join their pieces)."""
+    import copy
+
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model = tiny_model("llama", head_dim=32)  # packed rows: whole groups of 32
+    system = np.random.default_rng(30).integers(0, VOCAB, 150).tolist()
+    snapshot = mlx_h2o.make_cache(model, "h2o", evict_every=3, **options)
+    mx.eval(model(mx.array(system)[None], cache=snapshot))
+    snapshot = copy.deepcopy(copy.deepcopy(snapshot))  # a snapshot of a snapshot: rows in pieces
+    save_prompt_cache(str(tmp_path / "system.safetensors"), snapshot)
+    prompts = [np.random.default_rng(31 + i).integers(0, VOCAB, n).tolist() for i, n in enumerate((9, 4, 17))]
+
+    def generate(caches):
+        gen = BatchGenerator(model, stop_tokens=[])
+        uids = gen.insert(prompts, [12] * len(prompts), caches=caches)
+        got = {u: [] for u in uids}
+        while any(len(t) < 12 for t in got.values()):
+            for r in gen.next_generated():
+                got[r.uid].append(r.token)
+        gen.close()
+        return [got[u] for u in uids]
+
+    independent = generate([load_prompt_cache(str(tmp_path / "system.safetensors")) for _ in prompts])
+    assert generate([copy.deepcopy(snapshot) for _ in prompts]) == independent

@@ -192,3 +192,45 @@ def test_16k_decode_soak_holds_a_bounded_number_of_entries():
         mx.eval(y, [column(c, "acc") for c in cache])
         assert all(c.size() <= M for c in cache), i
     assert all(c.offset == 32 + steps - 1 and c.peak <= M and c.evictions >= (steps - M) // c.budget.evict_every for c in cache)
+
+
+def test_decoding_below_the_budget_does_not_accumulate_score_updates():
+    """Score updates are nothing the model's output depends on: left unevaluated until an eviction
+    reads them, each step's would chain the last one's, and memory would grow with every token
+    (under a large M, for as long as nothing is evicted). Decoding within preallocated buffers
+    holds constant memory."""
+    model = tiny_model("llama")
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=4096)
+    y = mx.array([[3] * 20])
+    used = []
+    for step in range(160):  # 20 + 160 entries: within the first 256-row buffers
+        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        mx.eval(y)
+        used.append(mx.get_active_memory())
+    assert used[-1] - used[20] < 16_000, f"{(used[-1] - used[20]) / 140:.0f} bytes more per step"
+
+
+def test_a_cache_copied_step_after_step_attends_within_the_segment_limit():
+    """Copies share rows in pieces (storage/kv.py): two tiers and an archive, copied at every step,
+    would hand the fused op more segments than it takes; the lane joins them, and the copy attends
+    as a cache never copied does."""
+    import copy
+
+    from mlx_h2o._ops import MAX_SEGMENTS
+
+    model = tiny_model("llama", head_dim=32)
+    options = dict(max_kv_size=40, evict_every=8, kv_bits="8/fp", evicted_bits="4")
+    copied, plain = (mlx_h2o.make_cache(model, "h2o", **options) for _ in range(2))
+    x = tokens(150, seed=3)[None]
+    for c in (copied, plain):
+        mx.eval(model(x, cache=c))
+    pieces = 0
+    for t in range(12):
+        copied = copy.deepcopy(copied)
+        y = mx.array([[t + 1]])
+        got, want = model(y, cache=copied), model(y, cache=plain)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+        for lane in (lane for c in _h2o_layers(copied) for lane in c.lanes):
+            assert len(lane.segments()) <= MAX_SEGMENTS
+            pieces = max(pieces, len(lane.store.inner.low.shared) + len(lane.archive.inner.shared))
+    assert pieces >= 2  # the rows were shared (the test would not see the limit otherwise)

@@ -9,10 +9,11 @@ v_bits) pair: keys are the sensitive half, so K8/V4 spends its bits where they m
 """
 
 from abc import ABC, abstractmethod
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
+from .._ops import MAX_SEGMENTS
 from .rows import RowStore, capacity_for, pad_indices
 
 
@@ -65,8 +66,14 @@ class KVStorage(ABC):
 
     def fetch(self):
         """What a cache's update_and_fetch returns: (keys, values) arrays for dense rows (models may
-        use them directly), else (segments(), None)."""
+        use them directly), else (segments(), None), at most the fused op's MAX_SEGMENTS."""
+        if len(self.segments()) > MAX_SEGMENTS:
+            self.own_rows()
         return self.segments(), None
+
+    def own_rows(self) -> None:
+        """Copy rows shared with copies of this storage (KVStore) into buffers of its own: one
+        segment per format again."""
 
     def prepare_queries(self, queries: mx.array) -> mx.array:
         """Queries in the stored space (identity here; a rotation there)."""
@@ -82,35 +89,67 @@ def role_bits(bits) -> Tuple[Optional[int], Optional[int]]:
     return tuple(bits) if isinstance(bits, (tuple, list)) else (bits, bits)
 
 
+# A store forked many times (a chat's snapshots, turn after turn) would read ever more segments:
+# past this many shared pieces, a fork joins them into one (a copy, once, that later forks share).
+MAX_SHARED_PIECES = 2
+
+
+# Rows a store appends after shared ones grow in smaller steps: a request forked from a snapshot adds
+# a question and an answer, and GROW_STEP rows of spare room in each of N requests would cost more
+# than the rows they share.
+SHARED_TAIL_STEP = 64
+
+
+def _tail_capacity(needed: int, capacity: Optional[int], shared: int) -> int:
+    """Own rows to allocate after `shared` rows: the caller's capacity for the whole store, less the
+    shared rows, at most SHARED_TAIL_STEP steps, never less than `needed`."""
+    step = -(-needed // SHARED_TAIL_STEP) * SHARED_TAIL_STEP
+    return max(needed, step if capacity is None else min(capacity - shared, step))
+
+
 class KVStore(KVStorage):
     """K and V rows in one format: dense (`bits=None`), packed at `bits`, or K and V at their own
-    bits (`bits=(k_bits, v_bits)`)."""
+    bits (`bits=(k_bits, v_bits)`).
+
+    Copies share their rows, copy on write. `copy.deepcopy` turns the rows held into a read-only
+    prefix that the original and the copy both read (MLX arrays are immutable: nothing is copied),
+    and each appends after it in buffers of its own. The first call that rewrites rows (a
+    compaction, a trim into the prefix, `write_rows`) copies the prefix into the store's own
+    buffer. So requests forked from one prompt-cache snapshot (mlx-lm's server deep-copies it for
+    each) hold the snapshot's rows once until they evict."""
 
     def __init__(self, bits=None, group_size: int = 32):
         k_bits, v_bits = role_bits(bits)
         self.k, self.v = RowStore(k_bits, group_size), RowStore(v_bits, group_size)
-        self._length = 0
+        self.shared: List["KVStore"] = []  # read-only pieces, in row order, before this store's own rows
+        self._length = 0  # own rows
+
+    @property
+    def shared_length(self) -> int:
+        return sum(piece._length for piece in self.shared)
 
     @property
     def length(self) -> int:
-        return self._length
+        return self.shared_length + self._length
 
     @property
     def capacity(self) -> int:
-        return self.k.capacity
+        return self.shared_length + self.k.capacity
 
     def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None) -> None:
         ek, ev = self.k.encode(keys), self.v.encode(values)
-        needed = self.length + keys.shape[2]
-        if needed > self.capacity:
-            capacity = capacity_for(needed, capacity)
-            self.k.reserve(ek, self.length, capacity)
-            self.v.reserve(ev, self.length, capacity)
-        self.k.write(self.length, ek)
-        self.v.write(self.length, ev)
+        start = self._length
+        needed = start + keys.shape[2]
+        if needed > self.k.capacity:
+            own = capacity_for(needed, capacity) if not self.shared else _tail_capacity(needed, capacity, self.shared_length)
+            self.k.reserve(ek, start, own)
+            self.v.reserve(ev, start, own)
+        self.k.write(start, ek)
+        self.v.write(start, ev)
         self._length = needed
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
+        self.own_rows()
         idx = pad_indices(idx, capacity)
         self.k.gather(idx)
         self.v.gather(idx)
@@ -118,39 +157,50 @@ class KVStore(KVStorage):
 
     def drop_front(self, n: int) -> None:
         """Forget the oldest n rows (the rest keeps no spare room)."""
+        self.own_rows()
         self.k.drop_front(n, self.length)
         self.v.drop_front(n, self.length)
         self._length -= n
 
     def decode(self, start: int, stop: int):
         """Rows [start, stop) of K and V as dense values in the stored dtype."""
+        self.own_rows()
         return self.k.decode(start, stop, self.k.dtype), self.v.decode(start, stop, self.v.dtype)
 
     def read_rows(self):
-        return self.k.decode(0, self.length, mx.float32), self.v.decode(0, self.length, mx.float32)
+        pieces = [piece for piece in self.shared + [self] if piece._length]
+        if not pieces:
+            return self.k.decode(0, 0, mx.float32), self.v.decode(0, 0, mx.float32)
+        k, v = ([getattr(p, role).decode(0, p._length, mx.float32) for p in pieces] for role in "kv")
+        return (k[0], v[0]) if len(pieces) == 1 else (mx.concatenate(k, axis=2), mx.concatenate(v, axis=2))
 
     def write_rows(self, idx: mx.array, keys: mx.array, values: mx.array) -> None:
+        self.own_rows()
         self.k.write_at(idx, keys)
         self.v.write_at(idx, values)
 
     def trim(self, n: int) -> None:
+        if n > self._length:
+            self.own_rows()
         self._length -= n
 
     def segments(self) -> list:
-        return [(self.k.view(self.length), self.v.view(self.length))] if self.length else []
+        own = [(self.k.view(self._length), self.v.view(self._length))] if self._length else []
+        return [seg for piece in self.shared for seg in piece.segments()] + own
 
     def fetch(self):
-        if self.k.bits is None and self.v.bits is None:
+        if self.k.bits is None and self.v.bits is None and not self.shared:
             return self.k.view(self.length), self.v.view(self.length)
         return super().fetch()
 
     def nbytes(self) -> int:
-        return self.k.nbytes(self.length) + self.v.nbytes(self.length)
+        return sum(piece.nbytes() for piece in self.shared) + self.k.nbytes(self._length) + self.v.nbytes(self._length)
 
     def state(self):
-        return {"k": self.k.state(self.length), "v": self.v.state(self.length)} if self.length else None
+        return {"k": self._joined("k"), "v": self._joined("v")} if self.length else None
 
     def load(self, state) -> None:
+        self.shared = []
         if state is None:
             self._length = 0
             self.k.arrays = self.v.arrays = None
@@ -158,6 +208,46 @@ class KVStore(KVStorage):
         self.k.load(state["k"])
         self.v.load(state["v"])
         self._length = self.k.capacity
+
+    # -- sharing --------------------------------------------------------------------------------
+    def __deepcopy__(self, memo):
+        self.share_rows()
+        twin = self.__class__.__new__(self.__class__)
+        twin.k, twin.v = RowStore(self.k.bits, self.k.group_size), RowStore(self.v.bits, self.v.group_size)
+        twin.shared, twin._length = list(self.shared), 0
+        memo[id(self)] = twin
+        return twin
+
+    def share_rows(self) -> None:
+        """Make the rows held a read-only prefix (what copies share); new rows go to new buffers."""
+        if self._length:
+            piece = KVStore.__new__(KVStore)
+            piece.k, piece.v = RowStore(self.k.bits, self.k.group_size), RowStore(self.v.bits, self.v.group_size)
+            piece.k.arrays, piece.v.arrays = tuple(self.k.state(self._length)), tuple(self.v.state(self._length))
+            piece.shared, piece._length = [], self._length
+            self.shared.append(piece)
+            self.k.arrays = self.v.arrays = None
+            self._length = 0
+        if len(self.shared) > MAX_SHARED_PIECES:
+            joined = KVStore.__new__(KVStore)
+            joined.k, joined.v = RowStore(self.k.bits, self.k.group_size), RowStore(self.v.bits, self.v.group_size)
+            joined.k.arrays, joined.v.arrays = tuple(self._joined("k")), tuple(self._joined("v"))
+            joined.shared, joined._length = [], self.shared_length
+            self.shared = [joined]
+
+    def own_rows(self) -> None:
+        """Copy the shared prefix into this store's own buffers (before rows are rewritten)."""
+        if self.shared:
+            k, v, n = self._joined("k"), self._joined("v"), self.length
+            self.k.load(k)
+            self.v.load(v)
+            self.shared, self._length = [], n
+
+    def _joined(self, role: str) -> list:
+        """The arrays of K or V (`role`) over every row held, shared and own, in row order."""
+        pieces = self.shared + ([self] if self._length else [])
+        parts = [getattr(piece, role).state(piece._length) for piece in pieces]
+        return [mx.concatenate(a, axis=2) if len(a) > 1 else a[0] for a in zip(*parts)]
 
 
 class TieredKV(KVStorage):
@@ -210,6 +300,10 @@ class TieredKV(KVStorage):
 
     def segments(self) -> list:
         return self.low.segments() + self.high.segments()
+
+    def own_rows(self) -> None:
+        self.low.own_rows()
+        self.high.own_rows()
 
     def nbytes(self) -> int:
         return self.low.nbytes() + self.high.nbytes()

@@ -28,6 +28,9 @@ class KVWrapper(KVStorage):
     def fetch(self):
         return self.inner.fetch()
 
+    def own_rows(self) -> None:
+        self.inner.own_rows()
+
     def read_rows(self):
         return self.inner.read_rows()
 

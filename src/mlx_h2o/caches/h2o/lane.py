@@ -17,6 +17,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..._ops import MAX_SEGMENTS
 from ...attention import attention_with_scores
 from ...storage import ColumnedKV, KVStorage, KVStore
 
@@ -61,8 +62,16 @@ class Lane:
         """What attention reads: the archive's rows (older than every query), then the lane's, or
         `own` (keys, values) in their place: what the model made of the fetched rows (MLA expands
         its latent rows into keys and values before attending)."""
-        own = self.store.segments() if own is None else own[0] if isinstance(own[0], list) else [own]
-        return (self.archive.segments() if self.archive is not None else []) + own
+        from_store = own is None or isinstance(own[0], list)
+        segments = (self.archive.segments() if self.archive is not None else []) + \
+            (self.store.segments() if from_store else [own])
+        if len(segments) > MAX_SEGMENTS:  # rows shared with copies come in pieces (storage/kv.py): join them
+            for store in (self.store, self.archive):
+                if store is not None:
+                    store.own_rows()
+            segments = (self.archive.segments() if self.archive is not None else []) + \
+                (self.store.segments() if from_store else [own])
+        return segments
 
     def nbytes(self) -> int:
         return self.store.nbytes() + (self.archive.nbytes() if self.archive is not None else 0)
@@ -89,6 +98,12 @@ class Lane:
             self.archive.set_column("acc", scorer.rule.update(self.archive.column("acc"), stats[..., :T], rows, live))
         store.set_column("acc", scorer.rule.update(store.column("acc"), stats[..., T:], rows, live))
         return store.restore_output(out, queries.dtype), raw
+
+    def bookkeeping(self) -> list:
+        """The arrays attention updates lazily (score columns, query statistics): nothing the model's
+        output depends on, so they are evaluated only when evaluated on purpose."""
+        stores = [self.store] + ([self.archive] if self.archive is not None and self.archive.columns else [])
+        return [s.columns for s in stores if s.columns] + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
 
     def trimmable(self, n: int, offset: int) -> int:
         """How many of the newest n tokens this lane can forget: its trailing run of consecutive
