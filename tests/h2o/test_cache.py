@@ -234,3 +234,22 @@ def test_a_cache_copied_step_after_step_attends_within_the_segment_limit():
             assert len(lane.segments()) <= MAX_SEGMENTS
             pieces = max(pieces, len(lane.store.inner.low.shared) + len(lane.archive.inner.shared))
     assert pieces >= 2  # the rows were shared (the test would not see the limit otherwise)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_every_architecture_decodes_from_a_copied_cache(arch):
+    """A copy reads its rows in shared pieces (storage/kv.py): every architecture decodes from it as
+    from the cache it copied, the models that read the rows themselves included (gemma2's inline
+    attention, MLA's latent rows)."""
+    import copy
+
+    model = tiny_model(arch)
+    plain = mlx_h2o.make_cache(model, "h2o", max_kv_size=128, evict_every=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mx.eval(model(tokens(30, seed=4)[None], cache=plain))
+        copied = copy.deepcopy(copy.deepcopy(plain))
+        for t in range(6):
+            y = mx.array([[t + 2]])
+            got, want = model(y, cache=copied), model(y, cache=plain)
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4 * max(1.0, np.abs(np.array(want)).max()))

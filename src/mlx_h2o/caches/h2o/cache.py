@@ -77,6 +77,10 @@ class H2OKVCache(SharesGroup, AttendingCache):
         self.offset = self.length = self.peak = self.evictions = 0
         self.scoreless, self._awaiting_scores, self.scale = False, False, None
         self._pending = None  # a byte budget's multi-token call, appended in steps by attend
+        # Whether the model hands the fetched rows to attention untouched (mlx-lm's attention): then
+        # they may come in shared pieces (storage/kv.py). Models that read them (gemma2's inline
+        # attention, MLA's latent rows) get arrays. id() only: a reference would keep the buffer.
+        self.passes_rows, self._fetched_id = False, None
         self.budget, self.archive_size = self.layer_budget, 0  # in force: less the archive's share once the first rows came
 
     def set_layer_budget(self, m: int):
@@ -165,7 +169,14 @@ class H2OKVCache(SharesGroup, AttendingCache):
             lane.store.append(lane.rows_of(keys), lane.rows_of(values), capacity, **new)
         self.offset, self.length = self.offset + L, self.length + L
         self.peak, self._awaiting_scores = max(self.peak, self.length), True
-        return self.lanes[0].store.fetch() if len(self.lanes) == 1 else (self.lanes, None)
+        if len(self.lanes) > 1:
+            return self.lanes, None
+        store = self.lanes[0].store
+        if not self.passes_rows:
+            store.own_rows()
+        fetched = store.fetch()
+        self._fetched_id = id(fetched[0])
+        return fetched
 
     def _resolve(self, H: int, head_dims, itemsize: int):
         """A byte budget's configuration and M for this model's shape (bytes.py): per sequence and layer,
@@ -203,6 +214,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
         """Attention for this layer, each lane's scores folded into its columns."""
         if self._pending is not None:
             return self._attend_in_steps(queries, scale=scale, sinks=sinks)
+        self.passes_rows |= id(keys) == self._fetched_id
         _check_call(self.lanes, keys, values, mask)
         self.scale, outs = float(scale), []
         for lane in self.lanes:
