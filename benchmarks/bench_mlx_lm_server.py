@@ -411,13 +411,12 @@ def part_held(args, model_dir, tokenizer, policies):
                 mx.clear_cache()
                 base = mx.get_active_memory()
                 if mode == "copies of the snapshot":  # what the server does: fetch_nearest_cache deep-copies
-                    fetched = [store.fetch_nearest_cache("model", system + q) for q in questions]
-                    caches, prompts = [c for c, _ in fetched], [rest for _, rest in fetched]
+                    caches, prompts = map(list, zip(*(store.fetch_nearest_cache("model", system + q) for q in questions)))
                 else:  # each request its own rows (as before copy-on-write storage)
-                    caches, prompts, fetched = [load_prompt_cache(path) for _ in questions], questions, None
+                    caches, prompts = [load_prompt_cache(path) for _ in questions], questions
                 gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=128)
                 gen.insert(prompts, [args.max_tokens] * len(prompts), caches=caches)
-                del caches, fetched
+                del caches
                 peak, left = 0, len(prompts)
                 while left:
                     left -= sum(r.finish_reason is not None for r in gen.next_generated())

@@ -2,6 +2,7 @@
 the kept positions, the seed's offset bug, reset and trim, the hook and its fallback, save/load,
 pinned spans, long prompts, mlx-lm integration on tiny models of many architectures, a 16K soak."""
 
+import copy
 import warnings
 
 import mlx.core as mx
@@ -214,8 +215,6 @@ def test_a_cache_copied_step_after_step_attends_within_the_segment_limit():
     """Copies share rows in pieces (storage/kv.py): two tiers and an archive, copied at every step,
     would hand the fused op more segments than it takes; the lane joins them, and the copy attends
     as a cache never copied does."""
-    import copy
-
     from mlx_h2o._ops import MAX_SEGMENTS
 
     model = tiny_model("llama", head_dim=32)
@@ -241,8 +240,6 @@ def test_every_architecture_decodes_from_a_copied_cache(arch):
     """A copy reads its rows in shared pieces (storage/kv.py): every architecture decodes from it as
     from the cache it copied, the models that read the rows themselves included (gemma2's inline
     attention, MLA's latent rows)."""
-    import copy
-
     model = tiny_model(arch)
     plain = mlx_h2o.make_cache(model, "h2o", max_kv_size=128, evict_every=4)
     with warnings.catch_warnings():

@@ -107,6 +107,11 @@ def _tail_capacity(needed: int, capacity: Optional[int], shared: int) -> int:
     return max(needed, step if capacity is None else min(capacity - shared, step))
 
 
+def _along_rows(arrays: list) -> mx.array:
+    """Arrays (B, H, rows, ...) joined in row order (the one array itself when alone)."""
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=2)
+
+
 class KVStore(KVStorage):
     """K and V rows in one format: dense (`bits=None`), packed at `bits`, or K and V at their own
     bits (`bits=(k_bits, v_bits)`).
@@ -168,11 +173,8 @@ class KVStore(KVStorage):
         return self.k.decode(start, stop, self.k.dtype), self.v.decode(start, stop, self.v.dtype)
 
     def read_rows(self):
-        pieces = [piece for piece in self.shared + [self] if piece._length]
-        if not pieces:
-            return self.k.decode(0, 0, mx.float32), self.v.decode(0, 0, mx.float32)
-        k, v = ([getattr(p, role).decode(0, p._length, mx.float32) for p in pieces] for role in "kv")
-        return (k[0], v[0]) if len(pieces) == 1 else (mx.concatenate(k, axis=2), mx.concatenate(v, axis=2))
+        pieces = self._pieces() or [self]
+        return tuple(_along_rows([getattr(p, role).decode(0, p._length, mx.float32) for p in pieces]) for role in "kv")
 
     def write_rows(self, idx: mx.array, keys: mx.array, values: mx.array) -> None:
         self.own_rows()
@@ -212,28 +214,26 @@ class KVStore(KVStorage):
     # -- sharing --------------------------------------------------------------------------------
     def __deepcopy__(self, memo):
         self.share_rows()
-        twin = self.__class__.__new__(self.__class__)
-        twin.k, twin.v = RowStore(self.k.bits, self.k.group_size), RowStore(self.v.bits, self.v.group_size)
-        twin.shared, twin._length = list(self.shared), 0
+        twin = self._piece()
+        twin.shared = list(self.shared)
         memo[id(self)] = twin
         return twin
 
     def share_rows(self) -> None:
         """Make the rows held a read-only prefix (what copies share); new rows go to new buffers."""
         if self._length:
-            piece = KVStore.__new__(KVStore)
-            piece.k, piece.v = RowStore(self.k.bits, self.k.group_size), RowStore(self.v.bits, self.v.group_size)
-            piece.k.arrays, piece.v.arrays = tuple(self.k.state(self._length)), tuple(self.v.state(self._length))
-            piece.shared, piece._length = [], self._length
-            self.shared.append(piece)
+            self.shared.append(self._piece(self.k.state(self._length), self.v.state(self._length), self._length))
             self.k.arrays = self.v.arrays = None
             self._length = 0
         if len(self.shared) > MAX_SHARED_PIECES:
-            joined = KVStore.__new__(KVStore)
-            joined.k, joined.v = RowStore(self.k.bits, self.k.group_size), RowStore(self.v.bits, self.v.group_size)
-            joined.k.arrays, joined.v.arrays = tuple(self._joined("k")), tuple(self._joined("v"))
-            joined.shared, joined._length = [], self.shared_length
-            self.shared = [joined]
+            self.shared = [self._piece(self._joined("k"), self._joined("v"), self.shared_length)]
+
+    def _piece(self, k=None, v=None, n: int = 0) -> "KVStore":
+        """A store of this one's formats holding rows k, v (RowStore arrays) of length n, or empty."""
+        piece = KVStore((self.k.bits, self.v.bits), self.k.group_size)
+        if n:
+            piece.k.arrays, piece.v.arrays, piece._length = tuple(k), tuple(v), n
+        return piece
 
     def own_rows(self) -> None:
         """Copy the shared prefix into this store's own buffers (before rows are rewritten)."""
@@ -243,11 +243,14 @@ class KVStore(KVStorage):
             self.v.load(v)
             self.shared, self._length = [], n
 
+    def _pieces(self) -> list:
+        """The stores holding rows, in row order: the shared pieces, then this one if it has rows."""
+        return self.shared + ([self] if self._length else [])
+
     def _joined(self, role: str) -> list:
         """The arrays of K or V (`role`) over every row held, shared and own, in row order."""
-        pieces = self.shared + ([self] if self._length else [])
-        parts = [getattr(piece, role).state(piece._length) for piece in pieces]
-        return [mx.concatenate(a, axis=2) if len(a) > 1 else a[0] for a in zip(*parts)]
+        parts = [getattr(piece, role).state(piece._length) for piece in self._pieces()]
+        return [_along_rows(list(a)) for a in zip(*parts)]
 
 
 class TieredKV(KVStorage):

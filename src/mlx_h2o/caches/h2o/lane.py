@@ -62,15 +62,17 @@ class Lane:
         """What attention reads: the archive's rows (older than every query), then the lane's, or
         `own` (keys, values) in their place: what the model made of the fetched rows (MLA expands
         its latent rows into keys and values before attending)."""
-        from_store = own is None or isinstance(own[0], list)
-        segments = (self.archive.segments() if self.archive is not None else []) + \
-            (self.store.segments() if from_store else [own])
+        stores = [self.store] + ([self.archive] if self.archive is not None else [])
+
+        def collect():
+            archived = self.archive.segments() if self.archive is not None else []
+            return archived + (self.store.segments() if own is None or isinstance(own[0], list) else [own])
+
+        segments = collect()
         if len(segments) > MAX_SEGMENTS:  # rows shared with copies come in pieces (storage/kv.py): join them
-            for store in (self.store, self.archive):
-                if store is not None:
-                    store.own_rows()
-            segments = (self.archive.segments() if self.archive is not None else []) + \
-                (self.store.segments() if from_store else [own])
+            for store in stores:
+                store.own_rows()
+            segments = collect()
         return segments
 
     def nbytes(self) -> int:
