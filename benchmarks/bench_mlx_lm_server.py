@@ -11,7 +11,7 @@ Parts:
               generated tokens/s, h2o against the full cache (both servers up, runs alternating).
   interleave  4 clients sending short requests, alone and beside one --long-tokens prompt: the short
               requests' latency p50/p99 with and without the long prompt, for each --schedules
-              STEP:SHARE (--prefill-step-size, --prefill-time-share); 2048:1 is mlx-lm's behaviour.
+              STEP:SHARE (--prefill-step-size, --prefill-time-share); 2048:1 is mlx-lm's step and share.
   turns       a chat of three turns over ~--history-tokens of text: each turn's TTFT and the tokens
               the prompt cache supplied (h2o and full).
   sharing     8 concurrent requests behind one shared --system-tokens system prompt (after one
