@@ -23,27 +23,31 @@ def test_batch_sequences_are_evicted_independently(select):
         np.testing.assert_allclose(batched[b : b + 1], alone, atol=1e-4)
 
 
-def _generate_alone(model, prompt, steps, **options):
+def _generate_alone(model, prompt, steps, prefill_step_size=2048, **options):
     cache = mlx_h2o.make_cache(model, "h2o", **options)
     out = []
-    for y, _ in generate_step(mx.array(prompt), model, max_tokens=steps, prompt_cache=cache):
+    for y, _ in generate_step(mx.array(prompt), model, max_tokens=steps, prompt_cache=cache,
+                              prefill_step_size=prefill_step_size):
         out.append(int(y))
     return out
 
 
-def test_batch_generator_equals_each_sequence_alone():
+@pytest.mark.parametrize("prefill_step_size", [2048, 16])
+def test_batch_generator_equals_each_sequence_alone(prefill_step_size):
     """mlx-lm's BatchGenerator (continuous batching, as batch_generate and the server use it):
     prompts of different lengths (right-padded together), sequences that finish early (filter)
     and join late (extend); each sequence's tokens equal its own generation, and the finished
-    sequences' caches (extract) held at most the budget."""
+    sequences' caches (extract) held at most the budget. In steps of 16 tokens the prompts are
+    chunked and evicted along the way, and (patched mlx-lm) the short one is processed apart."""
     from mlx_lm.generate import BatchGenerator
 
     model = tiny_model("llama")
     M = 24
     prompts = [np.random.default_rng(20 + i).integers(0, VOCAB, n).tolist() for i, n in enumerate((40, 9, 70, 33))]
     steps = [30, 12, 25, 40]
-    want = [_generate_alone(model, p, n, max_kv_size=M, evict_every=3) for p, n in zip(prompts, steps)]
-    gen = BatchGenerator(model, stop_tokens=[], prefill_batch_size=3, completion_batch_size=3)
+    want = [_generate_alone(model, p, n, prefill_step_size, max_kv_size=M, evict_every=3) for p, n in zip(prompts, steps)]
+    gen = BatchGenerator(model, stop_tokens=[], prefill_batch_size=3, completion_batch_size=3,
+                         prefill_step_size=prefill_step_size)
     caches = [mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=3) for _ in prompts]
     uids = gen.insert(prompts[:3], steps[:3], caches=caches[:3])
     got, finished, late = {u: [] for u in uids}, {}, None
