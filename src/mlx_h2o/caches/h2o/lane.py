@@ -62,7 +62,6 @@ class Lane:
         """What attention reads: the archive's rows (older than every query), then the lane's, or
         `own` (keys, values) in their place: what the model made of the fetched rows (MLA expands
         its latent rows into keys and values before attending)."""
-        stores = [self.store] + ([self.archive] if self.archive is not None else [])
 
         def collect():
             archived = self.archive.segments() if self.archive is not None else []
@@ -70,13 +69,17 @@ class Lane:
 
         segments = collect()
         if len(segments) > MAX_SEGMENTS:  # rows shared with copies come in pieces (storage/kv.py): join them
-            for store in stores:
+            for store in self.stores():
                 store.own_rows()
             segments = collect()
         return segments
 
+    def stores(self) -> list:
+        """The lane's row stores in row order: its archive (if it has one), then its own."""
+        return ([self.archive] if self.archive is not None else []) + [self.store]
+
     def nbytes(self) -> int:
-        return self.store.nbytes() + (self.archive.nbytes() if self.archive is not None else 0)
+        return sum(store.nbytes() for store in self.stores())
 
     def attend(self, queries: mx.array, scorer, *, scale, mask, sinks, kv_heads: int, own=None):
         """This lane's attention over its archive and rows for its share of the layer's queries
@@ -104,8 +107,8 @@ class Lane:
     def bookkeeping(self) -> list:
         """The arrays attention updates lazily (score columns, query statistics): nothing the model's
         output depends on, so they are evaluated only when evaluated on purpose."""
-        stores = [self.store] + ([self.archive] if self.archive is not None and self.archive.columns else [])
-        return [s.columns for s in stores if s.columns] + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
+        columns = [store.columns for store in self.stores() if store.columns]
+        return columns + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
 
     def trimmable(self, n: int, offset: int) -> int:
         """How many of the newest n tokens this lane can forget: its trailing run of consecutive
