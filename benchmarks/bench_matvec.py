@@ -1,10 +1,14 @@
 """The integer-dot quantized matmul alone, on the embedded model's own weights: time per product,
 weight bytes read per second and multiply-accumulates per second, for each thread count.
 
-    python benchmarks/bench_matvec.py [--layer gate_proj] [--rows 1 4] [--threads 1 2] [--repeats 30]
+    python benchmarks/bench_matvec.py [--layer gate_proj ... | all] [--rows 1 4] [--threads 1 2] [--repeats 30]
 
 Each repeat evaluates one product per transformer layer (30 of them, back to back in one mx.eval, as
 a decode step runs them) with a fresh random x; the median per product is printed with the spread.
+`lm_head` is the tied output layer (the 8-bit embedding as a linear), one product a step. With
+`--layer all`, each thread count's rows end with the sum a decode step runs (every layer's products
+and the lm_head, medians). Products that fit the last-level cache stay there between repeats: a
+step streams ~100 MB of weights from memory, so this is the kernels' own cost, not the step's.
 Thread counts run in fresh processes (MLX_H2O_NUM_THREADS is read once per process), alternating.
 Where a decode step's linears stand against the machine's memory bandwidth: docs/cpu-decode.md.
 """
@@ -16,7 +20,7 @@ import subprocess
 import sys
 import time
 
-LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
 def worker(layer: str, rows: int, repeats: int) -> dict:
@@ -27,7 +31,10 @@ def worker(layer: str, rows: int, repeats: int) -> dict:
     from mlx_h2o import _ext
 
     model, _ = mlx_h2o.load()
-    mods = [getattr(blk.self_attn if layer in LAYERS[:4] else blk.mlp, layer) for blk in model.layers]
+    if layer == "lm_head":
+        mods = [getattr(model, "lm_head", None) or model.model.embed_tokens]
+    else:
+        mods = [getattr(blk.self_attn if layer in LAYERS[:4] else blk.mlp, layer) for blk in model.layers]
     n, k_packed = mods[0]["weight"].shape
     k = k_packed * 32 // mods[0].bits
     times = []
@@ -41,14 +48,14 @@ def worker(layer: str, rows: int, repeats: int) -> dict:
         times.append((time.perf_counter() - t0) / len(mods))
     t = np.array(times[3:])
     nbytes = sum(m[a].nbytes for m in mods for a in ("weight", "scales", "biases")) / len(mods)
-    return dict(shape=f"{k}x{n}", bits=mods[0].bits, group=mods[0].group_size, median_us=float(np.median(t) * 1e6),
+    return dict(per_step=len(mods), shape=f"{k}x{n}", bits=mods[0].bits, group=mods[0].group_size, median_us=float(np.median(t) * 1e6),
                 min_us=float(t.min() * 1e6), max_us=float(t.max() * 1e6), gb_s=float(nbytes / np.median(t) / 1e9),
                 gmac_s=float(rows * k * n / np.median(t) / 1e9))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layer", default="gate_proj", choices=LAYERS)
+    ap.add_argument("--layer", nargs="+", default=["gate_proj"], choices=LAYERS + ("all",))
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--repeats", type=int, default=30)
@@ -58,8 +65,9 @@ def main():
     if min(args.rows) < 1 or min(args.threads) < 1 or args.repeats < 1 or args.rounds < 1:
         ap.error("--rows, --threads, --repeats and --rounds must be >= 1")
     if args.worker:
-        print(json.dumps(worker(args.layer, args.rows[0], args.repeats)))
+        print(json.dumps(worker(args.layer[0], args.rows[0], args.repeats)))
         return
+    layers = LAYERS if "all" in args.layer else args.layer
     print(f"load before: {os.getloadavg()[0]:.2f}")
     print("| layer | shape | rows | threads | round | µs per product (median) | min-max | weight GB/s | GMAC/s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -67,12 +75,19 @@ def main():
         for rnd in range(args.rounds):
             for threads in args.threads if rnd % 2 == 0 else args.threads[::-1]:
                 env = {**os.environ, "MLX_H2O_NUM_THREADS": str(threads)}
-                cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--layer", args.layer, "--rows", str(rows),
-                       "--repeats", str(args.repeats)]
-                r = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-                print(f"| {args.layer} | {r['shape']} q{r['bits']} g{r['group']} | {rows} | {threads} | {rnd} | "
-                      f"{r['median_us']:.1f} | {r['min_us']:.0f}-{r['max_us']:.0f} | {r['gb_s']:.2f} | {r['gmac_s']:.2f} |",
-                      flush=True)
+                step_us = 0.0
+                for layer in layers:
+                    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--layer", layer, "--rows", str(rows),
+                           "--repeats", str(args.repeats)]
+                    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+                    r = json.loads(out.splitlines()[-1])
+                    step_us += r["median_us"] * r["per_step"]
+                    print(f"| {layer} | {r['shape']} q{r['bits']} g{r['group']} | {rows} | {threads} | {rnd} | "
+                          f"{r['median_us']:.1f} | {r['min_us']:.0f}-{r['max_us']:.0f} | {r['gb_s']:.2f} | "
+                          f"{r['gmac_s']:.2f} |", flush=True)
+                if "all" in args.layer:
+                    print(f"| **a decode step's products** | | {rows} | {threads} | {rnd} | **{step_us / 1000:.2f} ms** "
+                          "| | | |", flush=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 

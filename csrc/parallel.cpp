@@ -1,6 +1,7 @@
 #include "parallel.h"
 
 #include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -67,16 +68,30 @@ class ThreadPool {
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) wake_.notify_all();
     job.drain();
-    while (job.done.load(std::memory_order_acquire) < n) cpu_relax();
+    wait_for([&] { return job.done.load(std::memory_order_acquire) == n; });
     {
       std::lock_guard<std::mutex> lock(mutex_);
       job_.store(nullptr, std::memory_order_release);
     }
-    while (job.users.load(std::memory_order_acquire) > 0) cpu_relax();
+    wait_for([&] { return job.users.load(std::memory_order_acquire) == 0; });
     return true;
   }
 
  private:
+  // Spin briefly for what the caller waits on (the last tasks that workers are running), then sleep
+  // until a worker leaves the job: a worker preempted by another thread on its core (with two cores,
+  // mlx-lm's Python thread building the next step's graph) can hold a task for a whole time slice,
+  // and a caller spinning meanwhile would keep the other core from running either of them.
+  template <class Ready>
+  void wait_for(Ready ready) {
+    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(20);
+    while (!ready() && std::chrono::steady_clock::now() < spin_until)
+      for (int i = 0; i < 16; ++i) cpu_relax();
+    if (ready()) return;
+    std::unique_lock<std::mutex> lock(mutex_);
+    finished_.wait(lock, ready);
+  }
+
   // Join the current job, if any, and help until its tasks run out.
   void help() {
     Job* job;
@@ -87,17 +102,29 @@ class ThreadPool {
       job->users.fetch_add(1, std::memory_order_acq_rel);
     }
     job->drain();
-    job->users.fetch_sub(1, std::memory_order_acq_rel);
+    // Leaving under the lock (the job may be gone right after), then waking a caller asleep in
+    // wait_for: it checks its condition under the same lock, so the wake cannot fall between its
+    // check and its wait. Every task a worker finishes is followed by this, so a caller waiting for
+    // the last task is woken too. No waiter: no system call.
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job->users.fetch_sub(1, std::memory_order_acq_rel);
+    }
+    finished_.notify_all();
   }
 
   void work_loop() {
     unsigned long seen = generation_.load();
     for (;;) {
-      // Spin briefly: kernels come in bursts (phases of one call, layers of one decode step), and
-      // waking a sleeping thread costs tens of microseconds.
-      auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-      while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < spin_until)
+      // Spin a while before sleeping: kernels come in bursts (phases of one call, the layers of one
+      // decode step), and waking a sleeping thread costs the caller a system call and tens of
+      // microseconds. Politely: each round yields the core to any other runnable thread (mlx-lm's
+      // Python thread building the next step's graph), which a plain spin would slow down.
+      const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(1000);
+      while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < spin_until) {
         for (int i = 0; i < 64; ++i) cpu_relax();
+        sched_yield();
+      }
       if (generation_.load(std::memory_order_acquire) == seen) {
         std::unique_lock<std::mutex> lock(mutex_);
         sleepers_.fetch_add(1, std::memory_order_acq_rel);
@@ -112,7 +139,8 @@ class ThreadPool {
   int workers_ = 0;
   std::mutex run_mutex_;
   std::mutex mutex_;
-  std::condition_variable wake_;
+  std::condition_variable wake_;      // workers wait here for a job
+  std::condition_variable finished_;  // a caller waits here for its job's last tasks
   std::atomic<unsigned long> generation_{0};
   std::atomic<Job*> job_{nullptr};
   std::atomic<int> sleepers_{0};
