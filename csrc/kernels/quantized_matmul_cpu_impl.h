@@ -54,39 +54,31 @@ static void qmm_columns(const QuantizedMatmulProblem& p, const QuantizedRows& a,
     const S* br = biases + static_cast<int64_t>(n) * a.groups;
     v8f even[RR], odd[RR];
     float bias_sum[RR];
-    for (int r = 0; r < RR; ++r) even[r] = zeros8(), odd[r] = zeros8(), bias_sum[r] = 0.0f;
+    for (int r = 0; r < RR; ++r) even[r] = zeros8(), odd[r] = zeros8();
     // The bias term, 8 groups at a time: as one scalar chain of FMAs over the groups it took a
     // quarter of the kernel's time (1.3x faster without it, docs/cpu-decode.md).
+    v8f bias_acc[RR];
+    for (int r = 0; r < RR; ++r) bias_acc[r] = zeros8();
     int g = 0;
-    if (a.groups >= 8) {
-      v8f bias_acc[RR];
-      for (int r = 0; r < RR; ++r) bias_acc[r] = zeros8();
-      for (; g + 8 <= a.groups; g += 8) {
-        v8f b = SE::load8(br + g);
-        if constexpr (PB::bias_shift != 0.0f) b += splat(PB::bias_shift) * SE::load8(sr + g);
-        for (int r = 0; r < RR; ++r) bias_acc[r] += b * load8(xs[r] + g);
-      }
-      for (int r = 0; r < RR; ++r) bias_sum[r] = hsum(bias_acc[r]);
+    for (; g + 8 <= a.groups; g += 8) {
+      v8f b = SE::load8(br + g);
+      if constexpr (PB::bias_shift != 0.0f) b += splat(PB::bias_shift) * SE::load8(sr + g);
+      for (int r = 0; r < RR; ++r) bias_acc[r] += b * load8(xs[r] + g);
     }
+    for (int r = 0; r < RR; ++r) bias_sum[r] = hsum(bias_acc[r]);
     for (; g < a.groups; ++g) {
       const float b = SE::load1(br + g) + PB::bias_shift * SE::load1(sr + g);
       for (int r = 0; r < RR; ++r) bias_sum[r] += b * xs[r][g];
     }
-    int c = 0;
-    for (; c + 1 < a.blocks; c += 2) {
-      const typename PB::Block W0 = PB::load(wr + c * block_bytes), W1 = PB::load(wr + (c + 1) * block_bytes);
-      const float s0 = SE::load1(sr + (c >> group_shift)), s1 = SE::load1(sr + ((c + 1) >> group_shift));
-      for (int r = 0; r < RR; ++r) {
-        even[r] += __builtin_convertvector(dot_block(W0, xq[r] + c * QBLOCK), v8f) * splat(s0 * xd[r][c]);
-        odd[r] += __builtin_convertvector(dot_block(W1, xq[r] + (c + 1) * QBLOCK), v8f) * splat(s1 * xd[r][c + 1]);
-      }
-    }
-    if (c < a.blocks) {
-      const typename PB::Block W0 = PB::load(wr + c * block_bytes);
-      const float s0 = SE::load1(sr + (c >> group_shift));
+    auto add_block = [&](v8f* acc, int c) {
+      const typename PB::Block W = PB::load(wr + c * block_bytes);
+      const float s = SE::load1(sr + (c >> group_shift));
       for (int r = 0; r < RR; ++r)
-        even[r] += __builtin_convertvector(dot_block(W0, xq[r] + c * QBLOCK), v8f) * splat(s0 * xd[r][c]);
-    }
+        acc[r] += __builtin_convertvector(dot_block(W, xq[r] + c * QBLOCK), v8f) * splat(s * xd[r][c]);
+    };
+    int c = 0;
+    for (; c + 1 < a.blocks; c += 2) add_block(even, c), add_block(odd, c + 1);
+    if (c < a.blocks) add_block(even, c);
     for (int r = 0; r < RR; ++r)
       store_scalar(p.out, p.out_type, static_cast<int64_t>(r0 + r) * p.W.N + n, hsum(even[r] + odd[r]) + bias_sum[r]);
   }
