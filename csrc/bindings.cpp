@@ -9,6 +9,7 @@
 #include "mlx/ops.h"
 #include "mlx/version.h"
 
+#include "accumulate_prefix.h"
 #include "attention_with_scores.h"
 #include "kernels/isa.h"
 #include "norm_rope.h"
@@ -65,6 +66,10 @@ NB_MODULE(_ext, m) {
       "`a` is evaluated first and must be row-contiguous. Releases nothing (returns 0) while another\n"
       "array shares the buffer or waits to read it, or where the OS cannot (not Linux).");
   m.def("page_size", &mlx_h2o::page_size, "Bytes per page of the OS's virtual memory.");
+  m.def("accumulate_prefix", &mlx_h2o::accumulate_prefix, "acc"_a, "x"_a, "alpha"_a, "beta"_a, "held"_a,
+        "stream"_a = nb::none(),
+        "acc (..., C) float32 with its first N entries replaced by alpha * acc + beta * x (x: (..., N)),\n"
+        "entries at or past `held` read as 0; one pass, in place when MLX can donate acc's buffer.");
 
 
   m.def(

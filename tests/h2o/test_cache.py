@@ -58,6 +58,33 @@ def test_seed_offset_reset_bug_cannot_happen():
     assert lockstep(model, x, buggy, kept_positions(buggy)) > 1e-2
 
 
+def test_layers_compact_at_staggered_steps_and_realign_for_a_multi_token_call():
+    """The policy gives each layer its own decode step to compact (one layer's compaction a step,
+    not every layer's every evict_every steps); none holds more than M, and a multi-token call
+    brings them back to one length, so the mask one layer plans (return_array) fits every layer."""
+    model = tiny_model("llama")
+    M, e, N = 24, 4, 3
+    x = tokens(80, seed=5, batch=1)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=e)
+    phases = [c.evict_phase for c in cache]
+    assert len(set(phases)) == len(cache) > 1
+    model(x[:, :8], cache=cache)
+    residues, lengths = [set() for _ in cache], set()
+    for i in range(8, 59):
+        before = [c.evictions for c in cache]
+        mx.eval(model(x[:, i : i + 1], cache=cache))
+        for j, c in enumerate(cache):
+            assert c.length <= M
+            if c.evictions > before[j]:
+                residues[j].add((c.offset - 1 + phases[j]) % e)
+        lengths.add(tuple(c.length for c in cache))
+    assert residues == [{0}] * len(cache)  # each layer always on its own step of the period
+    assert any(len(set(held)) > 1 for held in lengths)  # so the layers held different counts
+    mask = cache[0].make_mask(N, return_array=True)
+    mx.eval(model(x[:, 59 : 59 + N], cache=cache))
+    assert {c.length for c in cache} == {M - e + N} and mask.shape == (N, M - e + N)
+
+
 # ----------------------------------------------------------------------------- architectures
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_architecture_generates_with_bounded_cache(arch):

@@ -157,16 +157,31 @@ class Budget:
                        evict_every=min(self.evict_every, budget - self.sink))
 
     # ------------------------------------------------------------------ when and how many
-    def keep_count(self, length: int, offset: int, L: int) -> Optional[int]:
+    def keep_count(self, length: int, offset: int, L: int, phase: Optional[int] = None) -> Optional[int]:
         """Entries of the current layout to keep before appending L tokens, or None for no eviction.
         The cache fills up to M entries (plus pinned ones); the token that would pass M triggers one
         compaction down to M - evict_every, so decode compacts once per `evict_every` tokens and never
-        holds more than M. A call of L > 1 tokens (a prefill chunk) is appended whole after it."""
-        pinned = self.pinned_before(offset)
-        if length + L <= self.max_kv_size + pinned:
+        holds more than M. A call of L > 1 tokens (a prefill chunk) is appended whole after it.
+
+        `phase` staggers the layers' compactions (one layer's at a time, not all of them in one decode
+        step; the h2o policy gives layer i its own phase): the layer also compacts at the decode
+        steps where (offset + phase) % evict_every == 0 once it holds more than M - evict_every,
+        which is where its compactions then stay. A multi-token call compacts every staggered layer
+        holding more than M - evict_every, so the layers hold the same entries count after it
+        (the mask one layer plans is every layer's)."""
+        pinned, M, every = self.pinned_before(offset), self.max_kv_size, self.evict_every
+        due = length + L > M + pinned
+        if phase is not None and length > M - every + pinned:
+            due |= L > 1 or (offset + phase) % every == 0
+        if not due:
             return None
-        keep = min(length - pinned, self.max_kv_size - self.evict_every) + pinned
+        keep = min(length - pinned, M - every) + pinned
         return keep if keep < length else None
+
+    def evict_phase(self, layer: int, layers: int) -> int:
+        """The phase (keep_count) of layer `layer` of `layers`: the layers' compactions spread evenly
+        over the evict_every decode steps between two of one layer's."""
+        return layer * self.evict_every // max(layers, 1) % self.evict_every
 
     def recent_kept(self, offset: int, keep: int) -> int:
         """Entries of the recent window an eviction to `keep` protects (the new tokens complete it);

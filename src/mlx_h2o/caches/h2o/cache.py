@@ -68,6 +68,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
         # dispersion: the model's caches share a group that fixes every layer's M when the first fills (spread.py)
         self.budget_group, self.budget_index = None, 0
         self.budget_allocated = config.budget.layer_budget != "dispersion"
+        self.evict_phase = None  # this layer's turn to compact (Budget.keep_count); the policy staggers its layers
         self.reset()
 
     def reset(self):
@@ -127,7 +128,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
         self._allocate_budgets(N)
         if not return_array:
             return "causal"
-        keep = None if self.lanes is None else self.budget.keep_count(self.length, self.offset, N)
+        keep = None if self.lanes is None else self.budget.keep_count(self.length, self.offset, N, self.evict_phase)
         lanes = self.lanes or []
         if len({(lane.length, lane.archived) for lane in lanes}) > 1 or (keep is not None and len(lanes) > 1):
             raise ValueError("head_budget='adaptive' keeps different entries per head: no single mask array; use 'causal'")
@@ -159,11 +160,12 @@ class H2OKVCache(SharesGroup, AttendingCache):
         """Evict if the call would take the cache past M, append the rows, return what attention reads."""
         L = keys.shape[2]
         self._allocate_budgets(L)
-        keep = self.budget.keep_count(self.length, self.offset, L)
+        keep = self.budget.keep_count(self.length, self.offset, L, self.evict_phase)
         if keep is not None:
             self._evict(keep, L)
-        new = {"acc": mx.zeros((L,), mx.float32), "pos": mx.arange(self.offset, self.offset + L, dtype=mx.int32)}
-        new.update({"mult": mx.ones((L,), mx.float32)} if self.config.keeper.merge is not None else {})
+        # written when read (ColumnedKV): a score of 0, the positions, a multiplicity of 1
+        new = {"acc": 0.0, "pos": range(self.offset, self.offset + L)}
+        new.update({"mult": 1.0} if self.config.keeper.merge is not None else {})
         for lane in self.lanes:
             capacity = self.budget.buffer_capacity(self.offset, lane.length + L)
             lane.store.append(lane.rows_of(keys), lane.rows_of(values), capacity, **new)
@@ -208,7 +210,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
 
     def _allocate_budgets(self, L: int):
         if self.budget_group is not None and self.lanes is not None:
-            self.budget_group.allocate_before_eviction(self.budget.keep_count(self.length, self.offset, L))
+            self.budget_group.allocate_before_eviction(self.budget.keep_count(self.length, self.offset, L, self.evict_phase))
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         """Attention for this layer, each lane's scores folded into its columns."""
@@ -243,7 +245,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
 
     def _meta(self):
         return {"config": self.config.to_json(), "seed": self.seed, "layer_max_kv_size": self.layer_budget.max_kv_size, "layers": self.layers,
-                "tensor_parallel": self.group is not None, **{k: getattr(self, k) for k in self._COUNTERS}}
+                "tensor_parallel": self.group is not None, "evict_phase": self.evict_phase, **{k: getattr(self, k) for k in self._COUNTERS}}
 
     def _restore(self, payload, meta):
         # the process's ranks were checked against the file's (SavedCache): a tensor-parallel cache is the world's
@@ -257,6 +259,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
                 lane.load(state)
         for k in self._COUNTERS:
             setattr(self, k, meta[k])
+        self.evict_phase = meta.get("evict_phase")  # (absent: saved before compactions were staggered)
         self.shape = None if self.shape is None else tuple(self.shape)
 
 

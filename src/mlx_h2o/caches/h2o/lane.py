@@ -99,15 +99,16 @@ class Lane:
             return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)
 
         out, raw, stats, rows, live = scorer.observe(op, q, mask, kv_heads if self.heads is None else 1, T + self.length)
+        alpha, beta = scorer.rule.coefficients(rows, live)
         if T:
-            self.archive.set_column("acc", scorer.rule.update(self.archive.column("acc"), stats[..., :T], rows, live))
-        store.set_column("acc", scorer.rule.update(store.column("acc"), stats[..., T:], rows, live))
+            self.archive.accumulate("acc", stats[..., :T], alpha, beta)
+        store.accumulate("acc", stats[..., T:] if T else stats, alpha, beta)
         return store.restore_output(out, queries.dtype), raw
 
     def bookkeeping(self) -> list:
         """The arrays attention updates lazily (score columns, query statistics): nothing the model's
         output depends on, so they are evaluated only when evaluated on purpose."""
-        columns = [store.columns for store in self.stores() if store.columns]
+        columns = [store.written_columns() for store in self.stores() if store.columns]
         return columns + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
 
     def trimmable(self, n: int, offset: int) -> int:

@@ -25,8 +25,14 @@ def _h2o_caches(model, **options):
     group = tensor_group(model)
     caches = per_layer_caches(model, lambda i: H2OKVCache(config, seed=i, group=group))
     layers = [c for c in caches if isinstance(c, H2OKVCache)]
-    for c in layers:  # a byte budget per sequence is shared by the h2o layers (the others keep their own caches)
+    for i, c in enumerate(layers):  # a byte budget per sequence is shared by the h2o layers (the others keep their own caches)
         c.layers = len(layers)
+        # Compactions staggered over the layers: one decode step pays about one layer's, not all of
+        # them every evict_every steps (~2x the median step before: docs/cpu-decode.md). Not under
+        # dispersion, whose allocation all-reduces over the ranks at the first compaction: ranks
+        # holding different layers (pipeline) would reach it at different steps.
+        if config.budget.layer_budget != "dispersion":
+            c.evict_phase = c.budget.evict_phase(i, len(layers)) if c.budget.resolved else i
     if config.budget.layer_budget == "pyramid":
         for c, m in zip(layers, layer_budgets(config.budget, pyramid_weights(len(layers)))):
             c.set_layer_budget(m)

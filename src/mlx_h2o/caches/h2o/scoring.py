@@ -4,13 +4,14 @@ it is kept by.
 Every attention call hands the rule one statistic per cached entry and kv head, averaged over the
 call's query rows (`stats`, shape (B, H, N)): the post-softmax attention mass (summed over the query
 heads sharing the kv head), or for `logit_ema` the mean |pre-softmax logit|. A rule folds it into a
-running accumulator (`update`) and turns the accumulator into the priority that eviction ranks by
+running accumulator, acc <- alpha * acc + beta * stats with the call's `coefficients` (one fused op,
+ColumnedKV.accumulate), and turns the accumulator into the priority that eviction ranks by
 (`priority`). New entries start with an accumulator of 0.
 
 Each rule is a few lines; add one with `@register_score`.
 """
 
-from typing import Dict, Optional, Type
+from typing import Dict, Optional, Tuple, Type
 
 import mlx.core as mx
 
@@ -38,9 +39,12 @@ class ScoreRule:
         "head" with all query heads); the groups are summed so every rule sees the mass a cached
         entry received from all the query heads that read it.
         """
-        return _group_heads(raw, heads, mx.sum) / rows
+        mass = _group_heads(raw, heads, mx.sum)
+        return mass if rows == 1 else mass / rows
 
-    def update(self, acc: mx.array, stats: mx.array, rows: int, live: float) -> mx.array:
+    def coefficients(self, rows: int, live: float) -> Tuple[float, float]:
+        """(alpha, beta) of a call of `rows` query rows that attended `live` entries on average:
+        the accumulator becomes alpha * acc + beta * stats."""
         raise NotImplementedError
 
     def priority(self, acc: mx.array, positions: mx.array, offset: int) -> mx.array:
@@ -64,8 +68,8 @@ class Cumulative(ScoreRule):
 
     name = "cumulative"
 
-    def update(self, acc, stats, rows, live):
-        return acc + rows * stats
+    def coefficients(self, rows, live):
+        return 1.0, float(rows)
 
 
 @register_score
@@ -77,9 +81,9 @@ class EMA(ScoreRule):
     takes_decay = True
     default_decay = 0.95
 
-    def update(self, acc, stats, rows, live):
+    def coefficients(self, rows, live):
         d = self.decay**rows
-        return d * acc + (1.0 - d) * stats
+        return d, 1.0 - d
 
 
 @register_score
@@ -91,8 +95,8 @@ class Normalised(ScoreRule):
 
     name = "normalised"
 
-    def update(self, acc, stats, rows, live):
-        return acc + (rows * live) * stats
+    def coefficients(self, rows, live):
+        return 1.0, float(rows * live)
 
     def priority(self, acc, positions, offset):
         # Every query row since position p saw the entry (causal): offset - p rows.
@@ -114,9 +118,9 @@ class LogitEMA(ScoreRule):
         mag = mx.where(mx.isfinite(raw), mx.abs(raw), 0.0).mean(axis=2)  # (B, Hq, N)
         return _group_heads(mag, heads, mx.mean)
 
-    def update(self, acc, stats, rows, live):
+    def coefficients(self, rows, live):
         d = self.decay**rows
-        return d * acc + (1.0 - d) * stats
+        return d, 1.0 - d
 
 
 def make_rule(name: str, decay: Optional[float] = None) -> ScoreRule:
