@@ -278,3 +278,14 @@ def test_every_model_command_honours_attention(command, monkeypatch, no_model):
     with pytest.raises(no_model):  # stop once the model would load: the attention switch has been set by then
         cli.main([command, "--attention", "stock", "--kv-policy", "full", "--quiet"])
     assert chosen == [False]
+
+
+def test_a_command_run_in_process_leaves_the_attention_setting_as_found(no_model):
+    """`--attention fused` is the command's choice for its run: a caller of cli.main keeps its own
+    (the switch once stayed on, and mlx-lm's quantized cache in later code ran the fused kernel)."""
+    from mlx_h2o import hook
+
+    before = hook.fast_cpu_attention_setting()
+    with pytest.raises(no_model):
+        cli.main(["eval", "--attention", "fused", "--kv-policy", "full", "--quiet"])
+    assert hook.fast_cpu_attention_setting() == before and before is not True

@@ -121,6 +121,11 @@ def use_fast_cpu_attention(enabled: Optional[bool] = True) -> None:
         _swap()
 
 
+def fast_cpu_attention_setting() -> Optional[bool]:
+    """What use_fast_cpu_attention was last given (True, False, or None: the default)."""
+    return _fast_cpu_attention
+
+
 def fast_cpu_attention_enabled() -> bool:
     """Whether every mlx-lm cache on CPU streams attends with the fused kernel (the opt-in)."""
     return _fast_cpu_attention is True and _target.__code__ is not _original_code

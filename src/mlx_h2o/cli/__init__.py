@@ -131,8 +131,15 @@ def main(argv=None) -> int:
     # package does not); each model command prints the BLAS in use. MLX_H2O_BLAS=reference opts out.
     use_openblas()
     args = build_parser().parse_args(argv)
+    from .. import hook  # (after use_openblas: it loads MLX)
+
+    # A model command picks the attention for its run (--attention); called in-process, it leaves
+    # the caller's choice as it found it.
+    attention = hook.fast_cpu_attention_setting()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"mlx-h2o {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        hook.use_fast_cpu_attention(attention)
