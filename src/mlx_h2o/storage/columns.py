@@ -39,9 +39,13 @@ class ColumnedKV(KVWrapper):
         self._all_written()
 
     def _all_written(self) -> None:
-        n = self.length if self.columns is not None else 0
-        self._written = {k: n for k in self.dtypes}  # entries whose values are in the column's buffer
-        self._waiting: Dict[str, List[Tuple[int, ColumnValues]]] = {k: [] for k in self.dtypes}  # (entries, values) since
+        # Per column, (entries, values) of the appends not yet written: the newest entries, so the
+        # buffer holds the first length - (their entries) values.
+        self._waiting: Dict[str, List[Tuple[int, ColumnValues]]] = {k: [] for k in self.dtypes}
+
+    def _written(self, name: str) -> int:
+        """Entries whose values column `name`'s buffer holds."""
+        return self.length - sum(L for L, _ in self._waiting[name])
 
     def column(self, name: str) -> mx.array:
         """Column `name` of the held entries, (B, H, length)."""
@@ -67,7 +71,7 @@ class ColumnedKV(KVWrapper):
                 merged[-1] = (merged[-1][0] + L, v)
             else:
                 merged.append((L, v))
-        a, dtype, start = self.columns[name], getattr(mx, self.dtypes[name]), self._written[name]
+        a, dtype, start = self.columns[name], getattr(mx, self.dtypes[name]), self._written(name)
         for L, v in merged:
             if isinstance(v, range):
                 v = mx.arange(v.start, v.stop, dtype=dtype)
@@ -76,12 +80,8 @@ class ColumnedKV(KVWrapper):
             a[..., start : start + L] = v
             start += L
         self.columns[name] = a
-        self._written[name], self._waiting[name] = start, []
+        self._waiting[name] = []
         return a
-
-    def set_column(self, name: str, values: mx.array) -> None:
-        """Overwrite column `name` of the held entries with `values` (B, H, length)."""
-        self._write(name)[..., : values.shape[-1]] = values
 
     def accumulate(self, name: str, x: mx.array, alpha: float, beta: float) -> None:
         """Column `name` <- alpha * column + beta * x over the held entries (x: (B, H, length)
@@ -89,12 +89,12 @@ class ColumnedKV(KVWrapper):
         if x.shape[-1] != self.length or any(not (isinstance(v, (int, float)) and v == 0) for _, v in self._waiting[name]):
             self._write(name)
         self.columns[name] = _ext.accumulate_prefix(self.columns[name], x.astype(mx.float32), float(alpha), float(beta),
-                                                    self._written[name])
-        self._written[name], self._waiting[name] = max(self._written[name], x.shape[-1]), []
+                                                    self._written(name))
+        self._waiting[name] = []  # the op wrote the waiting zeros (or they were written above)
 
     def write_column_at(self, name: str, idx: mx.array, values: mx.array) -> None:
         """Overwrite column `name` at entries idx (B, H, n) with `values` (B, H, n)."""
-        a = self.written_columns()[name]
+        a = self._write(name)
         f = a.reshape(-1)
         f[flat_rows(idx, a.shape[2])] = values.reshape(-1).astype(a.dtype)
         self.columns[name] = f.reshape(a.shape)
