@@ -405,6 +405,7 @@ def part_held(args, model_dir, tokenizer, policies):
             save_prompt_cache(path, snapshot)
             store = LRUPromptCache()  # the server's prompt-cache store, holding the system prompt's snapshot
             store.insert_cache("model", system, snapshot, cache_type="system")
+            in_store = snapshot  # (no memory of its own: the store's entry) for its size as the requests found it
             del snapshot
             for mode in ("copies of the snapshot", "independent copies"):
                 gc.collect()
@@ -423,6 +424,8 @@ def part_held(args, model_dir, tokenizer, policies):
                     peak = max(peak, mx.get_active_memory() - base)
                 gen.close()
                 del gen
+                if mode == "copies of the snapshot":  # the first copy compacts a snapshot a prefill left above M (h2o)
+                    prefix = sum(c.nbytes for c in in_store)
                 rows.append({"policy": policy, "options": options, "mode": mode, "prefix": prefix, "added": peak})
                 print(f"  held {policy} {options} {mode}: {peak / 1e6:.1f} MB added ({load()})", flush=True)
     print(f"\n### 8 concurrent requests behind one {args.system_tokens}-token system prompt: KV memory they add to "

@@ -277,3 +277,75 @@ def test_every_architecture_decodes_from_a_copied_cache(arch):
             y = mx.array([[t + 2]])
             got, want = model(y, cache=copied), model(y, cache=plain)
             np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4 * max(1.0, np.abs(np.array(want)).max()))
+
+
+def _live_positions(cache) -> np.ndarray:
+    """(B, H, length) an h2o layer's held positions per kv head, ascending, dead rows (-1) left out."""
+    pos = np.sort(np.array(column(cache, "pos")), axis=-1)
+    live = pos[pos >= 0].reshape(*pos.shape[:2], -1)
+    assert live.shape[-1] == cache.length
+    return live
+
+
+@pytest.mark.parametrize("options", [dict(), dict(select="layer"), dict(kv_bits="8", rotate=True)], ids=["head", "layer", "rotated-8bit"])
+def test_copies_that_evict_hold_the_shared_prefix_once(options, tmp_path):
+    """A copy's compaction keeps the prefix shared with the snapshot in place and marks the rows it
+    drops as dead (storage/columns.py), while every head keeps most of it: it holds the entries a
+    cache never copied holds, decodes the same logits, saves and loads, trims its newest tokens, and
+    its own rows stay a fraction of M."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model = tiny_model("llama", head_dim=32)
+    M = 128
+    snapshot = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=4, **options)
+    mx.eval(model(tokens(300, seed=5)[None], cache=snapshot))
+    plain, copied = copy.deepcopy(snapshot), copy.deepcopy(snapshot)
+    for c in _h2o_layers(plain):
+        for lane in c.lanes:
+            lane.store.own_rows()  # a cache holding its rows itself: compactions copy, as before
+    x = tokens(24, seed=6)
+    for t in range(x.shape[0]):
+        y = x[t : t + 1][None]
+        got, want = model(y, cache=copied), model(y, cache=plain)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+    layers = _h2o_layers(copied)
+    for c, p in zip(layers, _h2o_layers(plain)):
+        np.testing.assert_array_equal(_live_positions(c), _live_positions(p))
+        (lane,) = c.lanes
+        assert lane.store.shared_length >= M - 4 and lane.store.dead_count > 0  # the prefix stayed, part of it dead
+        assert lane.store.length - lane.store.shared_length < M // 4  # own rows: the new tokens, not a copy of M
+
+    save_prompt_cache(str(tmp_path / "copy.safetensors"), copied)
+    loaded = load_prompt_cache(str(tmp_path / "copy.safetensors"))
+    assert [c.lanes[0].store.dead_count for c in _h2o_layers(loaded)] == [c.lanes[0].store.dead_count for c in layers]
+    assert copied[0].trim(2) == 2 and plain[0].trim(0) == 0
+    for c in layers[1:]:
+        c.trim(2)
+    for t in range(6):
+        y = mx.array([[t + 1]])
+        np.testing.assert_allclose(np.array(model(y, cache=loaded)), np.array(model(y, cache=plain)), atol=1e-4, rtol=1e-4)
+    for c in _h2o_layers(copied):
+        c.trim(0)
+    assert all(c.offset == 300 + x.shape[0] - 2 for c in layers)
+
+
+def test_a_copy_that_drops_most_of_the_prefix_copies_what_it_keeps():
+    """Keeping the prefix in place pays while most of it is live: a copy whose heads keep less than
+    half of it compacts into rows of its own, dead rows gone."""
+    from mlx_h2o.storage import ColumnedKV, KVStore
+
+    store = ColumnedKV(KVStore(None), {"acc": "float32", "pos": "int32"}, masks_shared=True)
+    k = mx.random.normal((1, 2, 20, 8))
+    store.append(k, k, acc=0.0, pos=range(20))
+    twin = copy.deepcopy(store)
+    twin.append(k[:, :, :2], k[:, :, :2], acc=0.0, pos=range(20, 22))
+    # head 0 keeps 11 of the 20 shared rows and 1 of its own, head 1 10 and 2: own rows padded to 2
+    twin.gather(mx.array([[list(range(11)) + [20], list(range(10)) + [20, 21]]]), 12)
+    assert twin.shared_length == 20 and twin.length == 22 and twin.dead_count == 10 and twin.live_length == 12
+    np.testing.assert_array_equal(np.array(twin.dead_rows()[0, :, 9:]), [[False, False] + [True] * 9 + [False, True],
+                                                                         [False] + [True] * 10 + [False, False]])
+    np.testing.assert_array_equal(np.array(twin.column("pos")[0, :, 19:]), [[-1, 20, -1], [-1, 20, 21]])
+    np.testing.assert_array_equal(np.array(store.column("pos")), [[list(range(20))] * 2])  # the snapshot's own columns
+    twin.gather(mx.array([[list(range(9)) + [20]] * 2]), 10)  # 9 of the 20 shared rows: below half
+    assert twin.shared_length == 0 and twin.dead_rows() is None and twin.length == 10
+    np.testing.assert_array_equal(np.array(twin.column("pos")), [[list(range(9)) + [20]] * 2])

@@ -12,6 +12,13 @@ with each attention call's statistics by one fused op (`accumulate`) that reads 
 since the last write as 0. At decode that is one op per layer and step instead of about ten (the
 appends' writes and the rule's slice, arithmetic and slice-update), which made every fourth h2o
 step, where the bookkeeping is evaluated, ~1.5x the others (docs/cpu-decode.md).
+
+Dead rows (`masks_shared`): rows shared with copies of the store (storage/kv.py, a prompt-cache
+snapshot that N requests fork) would be copied by the first compaction, into each request. Instead a
+compaction may leave that prefix in place and mark the rows it does not keep as dead: attention and
+the next eviction skip them (`dead_rows`), and only the rows after the prefix are compacted, each head
+to its own count, padded with dead rows to the largest. So N requests that evict still hold the
+prefix once, as long as they keep most of it.
 """
 
 from typing import Dict, List, Optional, Tuple, Union
@@ -19,7 +26,9 @@ from typing import Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 
 from .._native import _ext
-from .kv import KVStorage
+import numpy as np
+
+from .kv import KVStorage, tail_capacity
 from .wrapper import KVWrapper
 from .rows import capacity_for, flat_rows, gather_rows, grow_rows, pad_indices
 
@@ -32,11 +41,28 @@ class ColumnedKV(KVWrapper):
     """`rows` (any storage) with named per-entry columns of the given dtypes (by name, "float32":
     a cache deep-copies, and MLX dtypes do not); the rows' other calls are forwarded."""
 
-    def __init__(self, rows: KVStorage, dtypes: Dict[str, str]):
+    def __init__(self, rows: KVStorage, dtypes: Dict[str, str], masks_shared: bool = False):
         super().__init__(rows)
         self.dtypes = dict(dtypes)
         self.columns: Optional[Dict[str, mx.array]] = None  # name -> (B, H, capacity)
         self._all_written()
+        # Whether a compaction may keep a shared prefix in place (module docstring): only for
+        # owners that skip dead rows everywhere they read rows (an h2o lane without archive or merge).
+        self.masks_shared = masks_shared
+        self.dead: Optional[mx.array] = None  # (B, H, n) bool over the first n rows; the rest are live
+        self.dead_count = 0  # dead rows per (batch, head): every head holds as many live ones
+
+    @property
+    def live_length(self) -> int:
+        """Rows held less the dead ones (as many in every head)."""
+        return self.length - self.dead_count
+
+    def dead_rows(self) -> Optional[mx.array]:
+        """(B, H, length) bool, True where a row is dead; None when every row is live."""
+        if self.dead is None:
+            return None
+        n = self.length - self.dead.shape[-1]
+        return self.dead if n == 0 else mx.pad(self.dead, [(0, 0), (0, 0), (0, n)])
 
     def _all_written(self) -> None:
         # Per column, (entries, values) of the appends not yet written: the newest entries, so the
@@ -123,33 +149,81 @@ class ColumnedKV(KVWrapper):
         return 0 if self.columns is None else next(iter(self.columns.values())).shape[2]
 
     def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
+        """`KVStorage.gather`; idx names live rows only. With `masks_shared`, a prefix shared with
+        copies stays in place when every head keeps at least half of it (_gather_after_shared)."""
+        if self.masks_shared and self._gather_after_shared(idx[..., :keep], keep, capacity):
+            return
         padded = pad_indices(idx, capacity)
         self.columns = {k: gather_rows(a, padded) for k, a in self.written_columns().items()}
         self.inner.gather(idx, keep, protected_tail, capacity)
         self._all_written()
+        self.dead, self.dead_count = None, 0
+
+    def _gather_after_shared(self, idx: mx.array, keep: int, capacity: int) -> bool:
+        """Keep rows idx (B, H, keep), ascending, leaving the shared prefix in place: its rows not in
+        idx become dead, and the rows after it are compacted per head to the largest count any head
+        keeps, the shorter heads padded with dead rows. False (nothing done) when there is no shared
+        prefix or some head keeps less than half of it: then reading the dead rows would cost more
+        than copying the live ones."""
+        S = self.inner.shared_length
+        if not S:
+            return False
+        B, H = idx.shape[:2]
+        in_prefix = idx < S
+        kept_in_prefix = np.array(in_prefix.sum(axis=-1))  # evaluates the eviction's choice (one sync)
+        if kept_in_prefix.min() * 2 < S:
+            return False
+        T = int((keep - kept_in_prefix).max())  # rows after the prefix kept, at most over the heads
+        after = mx.sort(mx.where(in_prefix, self.length, idx - S), axis=-1)[..., :T]  # theirs first, then padding
+        real = after < self.length
+        after = mx.where(real, after, 0)
+        prefix_kept = mx.zeros((B * H * (S + 1),), mx.bool_)  # a spare slot S takes the indices past the prefix
+        prefix_kept[flat_rows(mx.where(in_prefix, idx, S), S + 1)] = True
+        own_capacity = tail_capacity(T, capacity or None, S)
+        rows = mx.concatenate([mx.broadcast_to(mx.arange(S, dtype=idx.dtype), (B, H, S)), S + pad_indices(after, own_capacity)], axis=-1)
+        self.columns = {k: gather_rows(a, rows) for k, a in self.written_columns().items()}
+        self.inner.gather_own(after, T, own_capacity)
+        self._all_written()
+        self.dead = mx.concatenate([~prefix_kept.reshape(B, H, S + 1)[..., :S], ~real], axis=-1)
+        self.dead_count = S + T - keep
+        if "pos" in self.columns:  # a dead row is at no position: no trim or recency rule takes it for a token
+            pos = self.columns["pos"]
+            pos[..., : S + T] = mx.where(self.dead, -1, pos[..., : S + T])
+        return True
 
     def trim(self, n: int) -> None:
+        if self.dead is not None and self.length - n < self.dead.shape[-1]:
+            # (an h2o lane trims only its run of consecutive positions, which no dead row is in)
+            cut = self.length - n
+            if np.array(self.dead[..., cut:].any()):
+                raise ValueError("trim would forget rows a compaction marked dead: live rows would differ between heads")
+            self.dead = self.dead[..., :cut]
         self.written_columns()
         self.inner.trim(n)
         self._all_written()
 
     def nbytes(self) -> int:
         n = self.length
-        return self.inner.nbytes() + sum(a[..., :n].nbytes for a in (self.columns or {}).values())
+        dead = 0 if self.dead is None else self.dead.nbytes
+        return self.inner.nbytes() + sum(a[..., :n].nbytes for a in (self.columns or {}).values()) + dead
 
     def state(self):
         if self.columns is None:
             return None
-        return {"rows": self.inner.state(), "columns": {k: self.column(k) for k in self.dtypes}}
+        state = {"rows": self.inner.state(), "columns": {k: self.column(k) for k in self.dtypes}}
+        return state if self.dead is None else {**state, "dead": self.dead}
 
     def load(self, state) -> None:
         if state is None:  # saved empty: this storage is fresh, nothing to restore
             self.columns = None
             self._all_written()
+            self.dead, self.dead_count = None, 0
             return
         self.inner.load(state["rows"])
         self.columns = {k: state["columns"][k] for k in self.dtypes}
         self._all_written()
+        self.dead = state.get("dead")  # (saved rows hold no shared prefix, but keep the dead ones)
+        self.dead_count = 0 if self.dead is None else int(np.array(self.dead[0, 0].sum()))
 
 
 def _count(v: ColumnValues) -> Optional[int]:

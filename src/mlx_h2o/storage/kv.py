@@ -75,6 +75,17 @@ class KVStorage(ABC):
         """Copy rows shared with copies of this storage (KVStore) into buffers of its own: one
         segment per format again."""
 
+    @property
+    def shared_length(self) -> int:
+        """Rows at the front read in place from a prefix shared with copies (KVStore); 0 where a
+        storage keeps none."""
+        return 0
+
+    def gather_own(self, idx: mx.array, keep: int, capacity: int) -> None:
+        """Keep rows idx[..., :keep] of those after the shared prefix (indices counted from its end),
+        in buffers of `capacity` rows, leaving the prefix in place."""
+        raise ValueError(f"{type(self).__name__} holds no shared prefix")
+
     def prepare_queries(self, queries: mx.array) -> mx.array:
         """Queries in the stored space (identity here; a rotation there)."""
         return queries
@@ -100,7 +111,7 @@ MAX_SHARED_PIECES = 2
 SHARED_TAIL_STEP = 64
 
 
-def _tail_capacity(needed: int, capacity: Optional[int], shared: int) -> int:
+def tail_capacity(needed: int, capacity: Optional[int], shared: int) -> int:
     """Own rows to allocate after `shared` rows: the caller's capacity for the whole store, less the
     shared rows, at most SHARED_TAIL_STEP steps, never less than `needed`."""
     step = -(-needed // SHARED_TAIL_STEP) * SHARED_TAIL_STEP
@@ -146,7 +157,7 @@ class KVStore(KVStorage):
         start = self._length
         needed = start + keys.shape[2]
         if needed > self.k.capacity:
-            own = capacity_for(needed, capacity) if not self.shared else _tail_capacity(needed, capacity, self.shared_length)
+            own = capacity_for(needed, capacity) if not self.shared else tail_capacity(needed, capacity, self.shared_length)
             self.k.reserve(ek, start, own)
             self.v.reserve(ev, start, own)
         self.k.write(start, ek)
@@ -158,6 +169,15 @@ class KVStore(KVStorage):
         idx = pad_indices(idx, capacity)
         self.k.gather(idx)
         self.v.gather(idx)
+        self._length = keep
+
+    def gather_own(self, idx: mx.array, keep: int, capacity: int) -> None:
+        if keep:
+            idx = pad_indices(idx, capacity)
+            self.k.gather(idx)
+            self.v.gather(idx)
+        else:
+            self.k.arrays = self.v.arrays = None
         self._length = keep
 
     def drop_front(self, n: int) -> None:

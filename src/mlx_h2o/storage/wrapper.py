@@ -19,6 +19,13 @@ class KVWrapper(KVStorage):
     def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
         self.inner.gather(idx, keep, protected_tail, capacity)
 
+    def gather_own(self, idx, keep, capacity) -> None:
+        self.inner.gather_own(idx, keep, capacity)
+
+    @property
+    def shared_length(self) -> int:
+        return self.inner.shared_length
+
     def trim(self, n: int) -> None:
         self.inner.trim(n)
 

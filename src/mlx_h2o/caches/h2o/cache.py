@@ -115,6 +115,19 @@ class H2OKVCache(SharesGroup, AttendingCache):
         self.length, self.offset = self.length - n, self.offset - n
         return n
 
+    def __deepcopy__(self, memo):
+        """A copy shares the rows held (storage/kv.py): mlx-lm's server forks a prompt-cache snapshot
+        for each request. A prefill leaves more than M entries, which each copy's first call would
+        evict, and rows dropped from a shared prefix cost reading them (storage/columns.py), so the
+        cache is compacted first, as its next call would compact it: the copies then share only the
+        entries they keep. (Not while a byte budget's call is pending, a dispersion budget is not
+        allocated, or ranks would have to agree: their copies need not be in step.)"""
+        pinned = self.budget.pinned_before(self.offset)
+        if (self.lanes is not None and self._pending is None and self.budget_allocated and self.group is None
+                and self.length > self.budget.max_kv_size + pinned):
+            self._evict(self.budget.keep_count(self.length, self.offset, 1), 0)
+        return super().__deepcopy__(memo)
+
     @classmethod
     def merge(cls, caches):
         """mlx-lm's BatchGenerator: several sequences' caches of this layer as one batch cache (batch.py)."""
@@ -132,7 +145,8 @@ class H2OKVCache(SharesGroup, AttendingCache):
         lanes = self.lanes or []
         if len({(lane.length, lane.archived) for lane in lanes}) > 1 or (keep is not None and len(lanes) > 1):
             raise ValueError("head_budget='adaptive' keeps different entries per head: no single mask array; use 'causal'")
-        mask = create_causal_mask(N, self.length if keep is None else keep)
+        held = lanes[0].length if lanes else 0  # rows, dead ones included (a shared prefix kept in place)
+        mask = create_causal_mask(N, held if keep is None else keep)
         T = lanes[0].archived if lanes else 0  # the archive's rows come first, older than every query
         return mx.concatenate([mx.ones((*mask.shape[:-1], T), mask.dtype), mask], axis=-1) if T else mask
 

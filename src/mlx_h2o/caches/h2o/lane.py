@@ -92,13 +92,16 @@ class Lane:
         if sinks is not None:
             sinks = sinks[self.query_heads(sinks.shape[0], kv_heads)]
         if "mult" in store.dtypes:
-            mask = _with_log_multiplicity(mask, store.column("mult"), q.shape[1], q.shape[2])
+            mask = _with_bias(mask, mx.log(store.column("mult")), q.shape[1], q.shape[2])  # merged: + log multiplicity
+        dead = store.dead_rows()
+        if dead is not None:  # rows of a shared prefix this lane no longer keeps (storage/columns.py)
+            mask = _with_bias(mask, mx.where(dead, -mx.inf, 0.0), q.shape[1], q.shape[2])
         segments = self.segments(own)
 
         def op(q, mask, scores):
             return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)
 
-        out, raw, stats, rows, live = scorer.observe(op, q, mask, kv_heads if self.heads is None else 1, T + self.length)
+        out, raw, stats, rows, live = scorer.observe(op, q, mask, kv_heads if self.heads is None else 1, T + store.live_length)
         alpha, beta = scorer.rule.coefficients(rows, live)
         if T:
             self.archive.accumulate("acc", stats[..., :T], alpha, beta)
@@ -157,10 +160,13 @@ class Lane:
 
 def make_lanes(config, seed: int, B: int, H: int):
     """A layer's lanes: one for all its heads, or one per (batch row, kv head) under per-head budgets."""
-    where = [(slice(None), None)] if config.budget.head_budget != "adaptive" else \
-        [(slice(b, b + 1), slice(h, h + 1)) for b in range(B) for h in range(H)]
-    fmt = config.keeper.archive_format
-    return [Lane(entry_store(config.storage.make(config.budget.recent, seed), config.keeper.merge is not None),
+    adaptive = config.budget.head_budget == "adaptive"
+    where = [(slice(None), None)] if not adaptive else [(slice(b, b + 1), slice(h, h + 1)) for b in range(B) for h in range(H)]
+    fmt, merges = config.keeper.archive_format, config.keeper.merge is not None
+    # Dead rows (a shared prefix kept in place) are skipped by attention and the layer-wide plan; the
+    # keepers that rewrite or move rows and the per-head selection would read them as entries.
+    masks_shared = fmt is None and not merges and not adaptive
+    return [Lane(entry_store(config.storage.make(config.budget.recent, seed), merges, masks_shared),
                  None if fmt is None else archive_store(fmt, config.storage.kv_group_size), *w) for w in where]
 
 
@@ -177,18 +183,22 @@ def archive_store(bits, group_size: int) -> ColumnedKV:
     return ColumnedKV(KVStore(bits, group_size), {"acc": "float32", "pos": "int32"})
 
 
-def entry_store(rows: KVStorage, merges: bool) -> ColumnedKV:
+def entry_store(rows: KVStorage, merges: bool, masks_shared: bool = False) -> ColumnedKV:
     """A lane's rows with their score accumulator, position, and multiplicity when entries merge."""
-    return ColumnedKV(rows, {"acc": "float32", "pos": "int32", **({"mult": "float32"} if merges else {})})
+    return ColumnedKV(rows, {"acc": "float32", "pos": "int32", **({"mult": "float32"} if merges else {})}, masks_shared)
 
 
-def _with_log_multiplicity(mask, mult: mx.array, Hq: int, L: int) -> mx.array:
-    """The attention mask plus log(multiplicity) on each entry's logit (merge): an additive
-    (B, Hq, L or 1, N) array."""
-    B, H, N = mult.shape
-    bias = mx.repeat(mx.log(mult), Hq // H, axis=1)[:, :, None, :]  # (B, Hq, 1, N)
+def _with_bias(mask, bias: mx.array, Hq: int, L: int) -> mx.array:
+    """The attention mask plus `bias` (B, H, N) on each entry's logit, for every query head of its
+    kv head: an additive (B, Hq, L or 1, N) array."""
+    B, H, N = bias.shape
+    bias = mx.repeat(bias, Hq // H, axis=1)[:, :, None, :]  # (B, Hq, 1, N)
     if mask is None:
         return bias
+    if isinstance(mask, mx.array) and mask.shape[-1] != N:
+        # The cache plans its mask arrays causal (make_mask) for the rows an eviction keeps; one that
+        # kept a shared prefix in place (dead rows) holds more rows than it could plan.
+        mask = "causal"
     if isinstance(mask, str):  # "causal": row i sits at N - L + i
         mask = mx.arange(N)[None, :] <= mx.arange(N - L, N)[:, None]
     if mask.dtype == mx.bool_:
