@@ -136,3 +136,31 @@ def test_low_bit_rows_need_head_dim_divisible_by_group():
     cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=16, kv_bits=4, kv_group_size=32)
     with pytest.raises(ValueError, match="kv_group_size"):
         model(tokens(8, batch=1), cache=cache)
+
+
+def test_two_tiers_demote_a_batch_of_rows_per_slack_tokens():
+    """The high tier takes `slack` rows beyond its window before demoting (WindowTieredKV): decode
+    steps write into room it has, it demotes once every `slack` tokens, the newest `window` rows are
+    always high-tier, and the rows demoted are those a store demoting one row a token demotes."""
+    from mlx_h2o.caches.h2o.storage import WindowTieredKV
+
+    window, slack = 6, 4
+    batched, single = WindowTieredKV(4, 8, window, slack=slack), WindowTieredKV(4, 8, window)
+    rng = np.random.default_rng(0)
+    demotions, capacity = 0, None
+    for t in range(40):
+        k, v = (mx.array(rng.standard_normal((1, 2, 1, 32)).astype(np.float32)) for _ in range(2))
+        before = batched.high.length
+        for store in (batched, single):
+            store.append(k, v, 64)
+        demotions += batched.high.length < before
+        if t >= window + slack:
+            assert window <= batched.high.length <= window + slack
+            assert batched.high.k.capacity == capacity or batched.high.length == window + 1  # regrown only after a batch
+        capacity = batched.high.k.capacity
+        assert batched.length == single.length == t + 1
+        n = batched.low.length
+        if n:
+            for got, want in zip(batched.low.read_rows(), single.low.read_rows()):
+                np.testing.assert_array_equal(np.array(got), np.array(want[:, :, :n]))
+    assert demotions == (40 - window - 1) // slack

@@ -67,9 +67,11 @@ class KVStorage(ABC):
     def fetch(self):
         """What a cache's update_and_fetch returns: (keys, values) arrays for dense rows (models may
         use them directly), else (segments(), None), at most the fused op's MAX_SEGMENTS."""
-        if len(self.segments()) > MAX_SEGMENTS:
+        segments = self.segments()
+        if len(segments) > MAX_SEGMENTS:
             self.own_rows()
-        return self.segments(), None
+            segments = self.segments()
+        return segments, None
 
     def own_rows(self) -> None:
         """Copy rows shared with copies of this storage (KVStore) into buffers of its own: one
@@ -137,12 +139,22 @@ class KVStore(KVStorage):
     def __init__(self, bits=None, group_size: int = 32):
         k_bits, v_bits = role_bits(bits)
         self.k, self.v = RowStore(k_bits, group_size), RowStore(v_bits, group_size)
-        self.shared: List["KVStore"] = []  # read-only pieces, in row order, before this store's own rows
+        self.shared = []  # read-only pieces before its own rows (the property)
         self._length = 0  # own rows
 
     @property
+    def shared(self) -> List["KVStore"]:
+        """The read-only pieces, in row order, before this store's own rows (assigned whole)."""
+        return self._shared
+
+    @shared.setter
+    def shared(self, pieces: List["KVStore"]) -> None:
+        # their rows counted once: `length` is read several times per layer and decode step
+        self._shared, self._shared_rows = pieces, sum(piece._length for piece in pieces)
+
+    @property
     def shared_length(self) -> int:
-        return sum(piece._length for piece in self.shared)
+        return self._shared_rows
 
     @property
     def length(self) -> int:
@@ -242,7 +254,7 @@ class KVStore(KVStorage):
     def share_rows(self) -> None:
         """Make the rows held a read-only prefix (what copies share); new rows go to new buffers."""
         if self._length:
-            self.shared.append(self._piece(self.k.state(self._length), self.v.state(self._length), self._length))
+            self.shared = self.shared + [self._piece(self.k.state(self._length), self.v.state(self._length), self._length)]
             self.k.arrays = self.v.arrays = None
             self._length = 0
         if len(self.shared) > MAX_SHARED_PIECES:

@@ -209,7 +209,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
         budgets) and the archive's share of the budget (keeper.py)."""
         self.shape, self.head_dims, self.row_dtype = (B, H), tuple(head_dims), dtype
         self.budget, self.archive_size = self.config.keeper.split(self.layer_budget, self.config.storage, self.head_dims, getattr(mx, dtype).size)
-        self.lanes = lanes or make_lanes(self.config, self.seed, B, H)
+        self.lanes = lanes or make_lanes(self.config, self.seed, B, H, self.budget)
         for lane in self.lanes:
             lane.archive_size, lane.row_dtype = self.archive_size, dtype
 

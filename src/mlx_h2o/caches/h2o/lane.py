@@ -60,18 +60,21 @@ class Lane:
 
     def segments(self, own=None) -> list:
         """What attention reads: the archive's rows (older than every query), then the lane's, or
-        `own` (keys, values) in their place: what the model made of the fetched rows (MLA expands
-        its latent rows into keys and values before attending)."""
+        `own` in their place: the segments update_and_fetch returned ((list, None), as they are), or
+        (keys, values), what the model made of the fetched rows (MLA expands its latent rows into
+        keys and values before attending)."""
 
-        def collect():
+        def collect(own):
             archived = self.archive.segments() if self.archive is not None else []
-            return archived + (self.store.segments() if own is None or isinstance(own[0], list) else [own])
+            if own is None:
+                return archived + self.store.segments()
+            return archived + (own[0] if isinstance(own[0], list) else [own])
 
-        segments = collect()
+        segments = collect(own)
         if len(segments) > MAX_SEGMENTS:  # rows shared with copies come in pieces (storage/kv.py): join them
             for store in self.stores():
                 store.own_rows()
-            segments = collect()
+            segments = collect(None if own is None or isinstance(own[0], list) else own)
         return segments
 
     def stores(self) -> list:
@@ -158,15 +161,23 @@ class Lane:
             self.q_mean, self.q_sq = state["queries"]["mean"], state["queries"]["square"]
 
 
-def make_lanes(config, seed: int, B: int, H: int):
-    """A layer's lanes: one for all its heads, or one per (batch row, kv head) under per-head budgets."""
+def make_lanes(config, seed: int, B: int, H: int, budget=None):
+    """A layer's lanes: one for all its heads, or one per (batch row, kv head) under per-head budgets.
+    `budget`: the layer's in force (less an archive's share; default the policy's)."""
     adaptive = config.budget.head_budget == "adaptive"
     where = [(slice(None), None)] if not adaptive else [(slice(b, b + 1), slice(h, h + 1)) for b in range(B) for h in range(H)]
     fmt, merges = config.keeper.archive_format, config.keeper.merge is not None
     # Dead rows (a shared prefix kept in place) are skipped by attention and the layer-wide plan; the
     # keepers that rewrite or move rows and the per-head selection would read them as entries.
     masks_shared = fmt is None and not merges and not adaptive
-    return [Lane(entry_store(config.storage.make(config.budget.recent, seed), merges, masks_shared),
+    window, budget = config.budget.recent, budget or config.budget
+    # Two tiers: the high one holds the window plus up to one eviction step, as the byte bound counts
+    # them (bytes.py), where the low tier then never holds more than M - window rows: the budget in
+    # force protects the storage's window (an archive's share can cut its recent part below it), and
+    # its M is fixed (a dispersion budget changes it after the lanes are made).
+    fixed = budget.layer_budget != "dispersion" and budget.recent == window
+    slack = max(0, min(window + budget.evict_every, budget.max_kv_size) - window) if fixed else 0
+    return [Lane(entry_store(config.storage.make(window, seed, slack), merges, masks_shared),
                  None if fmt is None else archive_store(fmt, config.storage.kv_group_size), *w) for w in where]
 
 

@@ -40,7 +40,25 @@ def row_bytes(bits, head_dim_k: int, head_dim_v: int, group_size: int, itemsize:
 class WindowTieredKV(TieredKV):
     """Two tiers whose low tier reserves `capacity` less the recent window: the newest `window` rows
     live in the high tier, so an h2o cache of M entries needs only M - window low rows (the rows
-    stay where TieredKV puts them; only the reservation is smaller, a byte budget counts it)."""
+    stay where TieredKV puts them; only the reservation is smaller, a byte budget counts it).
+
+    The high tier also holds up to `slack` rows beyond the window (the byte bound's "window plus one
+    step", bytes.py): calls of at most `slack` rows demote the rows past the window once the tier
+    is full, a batch every `slack` tokens. Demoting one row a token regrew the exact-size high tier,
+    a copy of it and ~12 primitives per layer at every decode step (docs/cpu-decode.md)."""
+
+    def __init__(self, low_bits, high_bits, window: int, group_size: int = 32, slack: int = 0):
+        super().__init__(low_bits, high_bits, window, group_size)
+        self.slack = slack
+
+    def append(self, keys, values, capacity=None) -> None:
+        L = keys.shape[2]
+        if L > self.slack:  # a prefill chunk: appended whole, then cut back to the window
+            return super().append(keys, values, capacity)
+        room = self.window + self.slack
+        if self.high.length + L > room:
+            self.demote(self.window, capacity)
+        self.high.append(keys, values, room)
 
     def demote(self, keep_high, capacity):
         super().demote(keep_high, None if capacity is None else max(capacity - self.window, 1))
@@ -84,13 +102,13 @@ class Storage:
         older, _, recent = self.kv_bits.partition("/")
         return tier_bits(older), tier_bits(recent or older)
 
-    def make(self, window: int, seed: int) -> KVStorage:
-        """Rows as configured: one format or older/recent tiers (the newest `window` rows recent),
-        rotated (seeded) or not."""
+    def make(self, window: int, seed: int, slack: int = 0) -> KVStorage:
+        """Rows as configured: one format or older/recent tiers (the newest `window` rows recent, and
+        up to `slack` more before they demote), rotated (seeded) or not."""
         older, recent = self.tiers()
         store = make_kv_storage(older, recent, window, self.kv_group_size)
         if isinstance(store, TieredKV):
-            store = WindowTieredKV(older, recent, window, self.kv_group_size)
+            store = WindowTieredKV(older, recent, window, self.kv_group_size, slack)
         return RotatedKV(store, seed, self.rotate_lam) if self.rotate else store
 
     def check_rows(self, keys, values, packed: bool = False) -> None:
