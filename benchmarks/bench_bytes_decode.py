@@ -1,0 +1,123 @@
+"""Decode steps of the demo's caches at one byte budget, side by side: where h2o at `max_kv_bytes`
+spends its step against the sliding windows of the same bytes.
+
+    python benchmarks/bench_bytes_decode.py                       # 2048 tokens, 1/8 of the full cache's bytes
+    python benchmarks/bench_bytes_decode.py --fraction 0.25 --steps 256
+
+The caches are the demo's (`mlx-h2o demo`): full, the fp window (mlx-lm's RotatingKVCache), the 8-bit
+window and h2o at the budget. Each takes the same --context tokens (the GPL-3 text, in the demo's
+256-token chunks), then the caches decode in turn, one greedy step each, so a slow period of the
+machine hits all of them. Per cache: the median time to build the step's graph (Python) and to
+evaluate it, their sum, its speed relative to the fp window's, and the primitives one step's graph
+has (`mx.export_to_dot`); and the fused kernel alone over h2o's rows, dense and packed. To compare two builds, run it under each (PYTHONPATH=A, then B, ...). Run
+it on a quiet machine: it waits for one and records the load.
+"""
+
+import argparse
+import collections
+import os
+import re
+import statistics
+import tempfile
+import time
+
+from bench_peer import wait_quiet
+
+
+def primitives(mx, out) -> collections.Counter:
+    """The primitives of the graph that computes `out`, by kind."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "step.dot")
+        mx.export_to_dot(path, out)
+        with open(path, encoding="utf-8") as f:
+            return collections.Counter(re.findall(r'label ="([A-Za-z]\w*)"', f.read()))
+
+
+def kernel_times(mx, rows: int, heads: int, kv_heads: int, head_dim: int, rounds: int = 5, reps: int = 200) -> dict:
+    """Median µs of one decode-shaped fused attention call (with scores) over `rows` K/V rows,
+    dense float32 and packed at 8 and 4 bits (group 32), formats alternating."""
+    from mlx_h2o.attention import PackedKV, attention_with_scores
+
+    q = mx.random.normal((1, heads, 1, head_dim))
+    k, v = (mx.random.normal((1, kv_heads, rows, head_dim)) for _ in range(2))
+
+    def packed(x, bits):
+        return PackedKV(*mx.quantize(x, group_size=32, bits=bits), bits, 32)
+
+    segments = {"fp32": [(k, v)], "8-bit": [(packed(k, 8), packed(v, 8))], "4-bit": [(packed(k, 4), packed(v, 4))]}
+    mx.eval(q, segments)
+    times = collections.defaultdict(list)
+    for _ in range(rounds):
+        for name, seg in segments.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                mx.eval(attention_with_scores(q, seg, scale=head_dim**-0.5, scores="mass"))
+            times[name].append((time.perf_counter() - t0) / reps * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--fraction", type=float, default=0.125, help="the budget, a fraction of the full cache's bytes")
+    p.add_argument("--steps", type=int, default=128, help="decode steps per cache")
+    p.add_argument("--max-load", type=float, default=1.0)
+    p.add_argument("--max-busy", type=float, default=0.3)
+    p.add_argument("--wait", type=int, default=300)
+    p.add_argument("--allow-load", action="store_true")
+    args = p.parse_args(argv)
+
+    import mlx_h2o
+
+    mlx_h2o.use_openblas()  # before mlx.core loads
+    import mlx.core as mx
+
+    from mlx_h2o.evaluation.demo import CHUNK, DEMO_CACHES
+    from mlx_h2o.evaluation.suite import equal_byte_specs
+
+    model, tokenizer = mlx_h2o.load()
+    with open("/usr/share/common-licenses/GPL-3", encoding="utf-8") as f:
+        ids = mx.array(tokenizer.encode(f.read() * 4)[: args.context])[None]
+    specs = equal_byte_specs(model, args.context, [args.fraction], caches=DEMO_CACHES)
+    caches = {}
+    for s in specs:
+        cache = mlx_h2o.make_cache(model, s.policy, **s.options)
+        for i in range(0, args.context - 1, CHUNK):
+            mx.eval(model(ids[:, i : min(i + CHUNK, args.context - 1)], cache=cache))
+        caches[s.name] = cache
+    busy, load = wait_quiet(args, first=True)
+    print(f"load at start {load:.2f} ({busy:.2f} cores busy)", flush=True)
+    y = {name: ids[:, -1:] for name in caches}
+    build, run, counts = collections.defaultdict(list), collections.defaultdict(list), {}
+    for step in range(args.steps):
+        for name, cache in caches.items():
+            t0 = time.perf_counter()
+            out = model(y[name], cache=cache)
+            t1 = time.perf_counter()
+            if step == 2:  # a step that is neither the first nor one evaluating the h2o bookkeeping
+                counts[name] = primitives(mx, out)
+            y[name] = mx.argmax(out[:, -1:], axis=-1)
+            mx.eval(y[name])
+            build[name].append((t1 - t0) * 1e3)
+            run[name].append((time.perf_counter() - t1) * 1e3)
+    M = max(c.budget.max_kv_size for c in caches["h2o"] if hasattr(c, "budget"))
+    args_model = model.args
+    kernel = kernel_times(mx, M, args_model.num_attention_heads, args_model.num_key_value_heads,
+                          args_model.hidden_size // args_model.num_attention_heads)
+    total = {name: statistics.median([a + b for a, b in zip(build[name], run[name])]) for name in caches}
+    window = total.get("window fp")
+    print(f"\n### Decode steps at {args.fraction:g} of the full cache's bytes, {args.context} tokens "
+          f"({args.steps} steps each, alternating; load {load:.2f} at start, {os.getloadavg()[0]:.2f} at end)")
+    print("| cache | options | build ms | evaluate ms | step ms | speed vs fp window | primitives | most frequent |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in specs:
+        n = s.name
+        top = ", ".join(f"{k} {v}" for k, v in counts[n].most_common(4))
+        print(f"| {n} | {dict(s.options) or '—'} | {statistics.median(build[n]):.2f} | {statistics.median(run[n]):.2f} | "
+              f"{total[n]:.2f} | {window / total[n]:.2f}x | {sum(counts[n].values())} | {top} |")
+    print(f"\nThe fused kernel alone, one layer's decode call over h2o's {M} rows: "
+          + ", ".join(f"{name} {us:.0f} µs" for name, us in kernel.items()))
+
+
+if __name__ == "__main__":
+    main()
