@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 
-from bench_peer import wait_quiet
+from bench_peer import add_quiet_arguments, wait_quiet
 
 
 def primitives(mx, out) -> collections.Counter:
@@ -61,10 +61,7 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--fraction", type=float, default=0.125, help="the budget, a fraction of the full cache's bytes")
     p.add_argument("--steps", type=int, default=128, help="decode steps per cache")
-    p.add_argument("--max-load", type=float, default=1.0)
-    p.add_argument("--max-busy", type=float, default=0.3)
-    p.add_argument("--wait", type=int, default=300)
-    p.add_argument("--allow-load", action="store_true")
+    add_quiet_arguments(p)
     args = p.parse_args(argv)
 
     import mlx_h2o

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_peer import wait_quiet
+from bench_peer import add_quiet_arguments, wait_quiet
 
 
 def main(argv=None):
@@ -27,10 +27,7 @@ def main(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=128, help="decode steps timed per run")
     p.add_argument("--rounds", type=int, default=6, help="runs per variant, alternating")
-    p.add_argument("--max-load", type=float, default=1.0)
-    p.add_argument("--max-busy", type=float, default=0.3)
-    p.add_argument("--wait", type=int, default=300)
-    p.add_argument("--allow-load", action="store_true")
+    add_quiet_arguments(p)
     args = p.parse_args(argv)
 
     import mlx.core as mx

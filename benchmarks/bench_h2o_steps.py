@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 
-from bench_peer import wait_quiet
+from bench_peer import add_quiet_arguments, wait_quiet
 
 
 def main(argv=None):
@@ -25,10 +25,7 @@ def main(argv=None):
     p.add_argument("--max-kv-size", type=int, default=512, help="h2o's M")
     p.add_argument("--tokens", type=int, default=257, help="greedy decode steps per run")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--max-load", type=float, default=1.0)
-    p.add_argument("--max-busy", type=float, default=0.3)
-    p.add_argument("--wait", type=int, default=300)
-    p.add_argument("--allow-load", action="store_true")
+    add_quiet_arguments(p)
     args = p.parse_args(argv)
 
     import mlx_h2o

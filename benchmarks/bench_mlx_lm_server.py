@@ -43,7 +43,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_peer import wait_quiet
+from bench_peer import add_quiet_arguments, wait_quiet
 
 from mlx_h2o import serving
 
@@ -455,10 +455,7 @@ def main(argv=None):
     p.add_argument("--requests", type=int, default=1000, help="rss: how many requests")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
     p.add_argument("--out", default="results/server", help="JSON and PNG go here")
-    p.add_argument("--max-load", type=float, default=1.0, help="1-minute load required before the first part")
-    p.add_argument("--max-busy", type=float, default=0.3, help="cores other work may keep busy before the first part")
-    p.add_argument("--wait", type=int, default=300, help="seconds to wait for a quiet machine")
-    p.add_argument("--allow-load", action="store_true", help="warn instead of refusing on a busy machine")
+    add_quiet_arguments(p, "the first part")
     args = p.parse_args(argv)
     parts = args.parts or list(PARTS)
     if set(parts) - set(PARTS):

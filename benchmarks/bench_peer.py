@@ -125,6 +125,14 @@ def cpu_busy(seconds=1.0) -> float:
     return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(1, t1 - t0))
 
 
+def add_quiet_arguments(parser, before: str = "the first measurement") -> None:
+    """The options of wait_quiet's check, on an argparse parser."""
+    parser.add_argument("--max-load", type=float, default=1.0, help=f"1-minute load required before {before}")
+    parser.add_argument("--max-busy", type=float, default=0.3, help="cores other work may keep busy before a measurement")
+    parser.add_argument("--wait", type=int, default=300, help="seconds to wait for a quiet machine")
+    parser.add_argument("--allow-load", action="store_true", help="warn instead of refusing on a busy machine")
+
+
 def wait_quiet(args, first=False):
     """(busy cores, 1-minute load) once the machine is quiet, or after waiting --wait seconds."""
     deadline = time.monotonic() + args.wait
@@ -175,10 +183,7 @@ def main():
     ap.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON, help="a python with llama-cpp-python installed")
     ap.add_argument("--ours", nargs="+", default=[f"stock={sys.executable}"], metavar="NAME=PYTHON",
                     help="mlx-h2o paths to measure, each a name and the python that runs it")
-    ap.add_argument("--max-load", type=float, default=1.0, help="1-minute load required before the first round")
-    ap.add_argument("--max-busy", type=float, default=0.3, help="cores other work may keep busy before a measurement")
-    ap.add_argument("--wait", type=int, default=300, help="seconds to wait for a quiet machine")
-    ap.add_argument("--allow-load", action="store_true", help="warn instead of refusing on a busy machine")
+    add_quiet_arguments(ap, "the first round")
     ap.add_argument("--quick", action="store_true", help="512 context, 32 tokens, 1 round")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
