@@ -24,10 +24,9 @@ prefix once, as long as they keep most of it.
 from typing import Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
-
-from .._native import _ext
 import numpy as np
 
+from .._native import _ext
 from .kv import KVStorage, tail_capacity
 from .wrapper import KVWrapper
 from .rows import capacity_for, flat_rows, gather_rows, grow_rows, pad_indices
