@@ -45,7 +45,7 @@ class WindowTieredKV(TieredKV):
     The high tier also holds up to `slack` rows beyond the window (the byte bound's "window plus one
     step", bytes.py): calls of at most `slack` rows demote the rows past the window once the tier
     is full, a batch every `slack` tokens. Demoting one row a token regrew the exact-size high tier,
-    a copy of it and ~12 primitives per layer at every decode step (docs/cpu-decode.md)."""
+    a copy of it and ~12 primitives per layer at every decode step (docs/h2o.md, "Equal bytes on a long context")."""
 
     def __init__(self, low_bits, high_bits, window: int, group_size: int = 32, slack: int = 0):
         super().__init__(low_bits, high_bits, window, group_size)
