@@ -178,18 +178,13 @@ class KVStore(KVStorage):
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
         self.own_rows()
-        idx = pad_indices(idx, capacity)
-        self.k.gather(idx)
-        self.v.gather(idx)
-        self._length = keep
+        self.gather_own(idx, keep, capacity)
 
     def gather_own(self, idx: mx.array, keep: int, capacity: int) -> None:
-        if keep:
+        if self.k.arrays is not None:  # (no rows of its own after a shared prefix: nothing to keep)
             idx = pad_indices(idx, capacity)
             self.k.gather(idx)
             self.v.gather(idx)
-        else:
-            self.k.arrays = self.v.arrays = None
         self._length = keep
 
     def drop_front(self, n: int) -> None:
