@@ -1,7 +1,7 @@
 """The patched mlx_lm.server under load, on 127.0.0.1: throughput, a long prompt beside short ones,
 chat turns, a shared system prompt, and RSS over many requests.
 
-    python benchmarks/bench_mlx_lm_server.py                      # every part (about 15 min here)
+    python benchmarks/bench_mlx_lm_server.py                      # every part (about 19 min here)
     python benchmarks/bench_mlx_lm_server.py throughput turns     # some parts
     python benchmarks/bench_mlx_lm_server.py --model DIR --out results/server
 
@@ -21,6 +21,10 @@ Parts:
               memory 8 concurrent requests behind one --system-tokens system prompt add to its
               snapshot's, as copies of the snapshot (how the server serves them: rows shared, copy
               on write) against independent copies; h2o (M = 2048 and --max-kv-size) and full.
+  batched     in this process: decode throughput of 4 and 8 sequences through BatchGenerator, the
+              full policy's batch (SharedRowsBatch: a sequence's rows in its own cache, a shared
+              prefix held once) against mlx-lm's BatchKVCache (one padded array), for requests
+              forked from a --system-tokens snapshot and for fresh prompts; runs alternating.
   rss         --requests mixed requests from 4 clients (short, long, follow-up turns, malformed
               bodies, over-long prompts): server RSS every 50 requests, a PNG of the curve.
   steps       in this process, no server: prefill speed of a 2,048-token prompt in steps of
@@ -47,7 +51,7 @@ from bench_peer import add_quiet_arguments, wait_quiet
 
 from mlx_h2o import serving
 
-PARTS = ("throughput", "interleave", "turns", "sharing", "held", "rss", "steps", "budget")
+PARTS = ("throughput", "interleave", "turns", "sharing", "held", "batched", "rss", "steps", "budget")
 
 
 def load() -> str:
@@ -438,20 +442,82 @@ def part_held(args, model_dir, tokenizer, policies):
     return rows
 
 
+def part_batched(args, model_dir, tokenizer, policies):
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm import load as load_model
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models import cache as lm_cache
+
+    import mlx_h2o
+
+    model, _ = load_model(model_dir)
+    system = licence_tokens(tokenizer, args.system_tokens)
+    makers = {"mlx-lm BatchKVCache": lambda: lm_cache.make_prompt_cache(model),  # mlx-lm's own, no policy
+              "full (SharedRowsBatch)": lambda: mlx_h2o.make_cache(model, "full")}
+    snapshots = {}
+    for name, make in makers.items():
+        snapshots[name] = make()
+        feed(model, mx.array(system)[None], snapshots[name], 256)
+
+    def decode_rate(name, n, forked):
+        questions = [tokenizer.encode(f" In one sentence, what does section {i + 1} say?") for i in range(n)]
+        if forked:  # what the server does with a cached system prompt: a deep copy per request
+            caches, prompts = [copy.deepcopy(snapshots[name]) for _ in questions], questions
+        else:  # no shared prefix: prompts of different lengths
+            caches, prompts = [makers[name]() for _ in questions], [system[: 700 + 10 * i] + q for i, q in enumerate(questions)]
+        gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=512)
+        gen.insert(prompts, [args.max_tokens] * n, caches=caches)
+        start = tokens = left = None
+        while left is None or left:
+            responses = gen.next_generated()
+            if start is None and responses:  # every prompt processed: decoding from here
+                start, tokens, left = time.perf_counter(), 0, n
+                continue
+            tokens += len(responses)
+            left -= sum(r.finish_reason is not None for r in responses)
+        rate = tokens / (time.perf_counter() - start)
+        gen.close()
+        return rate
+
+    rows, rounds = [], 3
+    for n in (4, 8):
+        for forked in (True, False):
+            rates = {name: [] for name in makers}
+            for _ in range(rounds):
+                for name in makers:
+                    rates[name].append(decode_rate(name, n, forked))
+            for name, r in rates.items():
+                rows.append({"sequences": n, "forked": forked, "cache": name, "rates": r})
+            print(f"  batched {n} {'forked' if forked else 'fresh'}: " + ", ".join(
+                f"{name} {statistics.median(r):.1f} tok/s" for name, r in rates.items()) + f" ({load()})", flush=True)
+    print(f"\n### Batched decode, tok/s of all sequences together (median of {rounds}, min-max; {args.max_tokens} new "
+          f"tokens each; forked: behind one {args.system_tokens}-token snapshot; fresh: 700-780-token prompts)")
+    print("| sequences | prompts | mlx-lm BatchKVCache | full (SharedRowsBatch) | ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    for i in range(0, len(rows), 2):
+        a, b = rows[i], rows[i + 1]
+        ma, mb = statistics.median(a["rates"]), statistics.median(b["rates"])
+        print(f"| {a['sequences']} | {'forked' if a['forked'] else 'fresh'} | {ma:.1f} ({min(a['rates']):.1f}-{max(a['rates']):.1f}) "
+              f"| {mb:.1f} ({min(b['rates']):.1f}-{max(b['rates']):.1f}) | {mb / ma:.2f} |")
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("parts", nargs="*", help=f"any of {', '.join(PARTS)} (default: all)")
     p.add_argument("--model", default=None, help="an mlx-lm model directory (default: convert the embedded model)")
     p.add_argument("--max-kv-size", type=int, default=256, help="the h2o budget M")
     p.add_argument("--prompt-tokens", type=int, default=768, help="throughput: prompt length")
-    p.add_argument("--max-tokens", type=int, default=32, help="throughput: new tokens per request")
+    p.add_argument("--max-tokens", type=int, default=32, help="throughput, held, batched: new tokens per request")
     p.add_argument("--rounds", type=int, default=2, help="requests each client sends in a row")
     p.add_argument("--long-tokens", type=int, default=6000, help="interleave: the long prompt")
     p.add_argument("--schedules", nargs="+", default=["2048:1", "128:0.25"],
                    help="interleave: prompt step and prefill time share, STEP:SHARE each")
     p.add_argument("--short-tokens", type=int, default=24, help="interleave: new tokens of a short request")
     p.add_argument("--history-tokens", type=int, default=2000, help="turns: the first turn's length")
-    p.add_argument("--system-tokens", type=int, default=1000, help="sharing: the system prompt's length")
+    p.add_argument("--system-tokens", type=int, default=1000, help="sharing, held, batched: the system prompt's length")
     p.add_argument("--requests", type=int, default=1000, help="rss: how many requests")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
     p.add_argument("--out", default="results/server", help="JSON and PNG go here")

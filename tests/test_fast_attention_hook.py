@@ -34,11 +34,13 @@ def test_fused_attention_matches_stock(model_type, extra, monkeypatch):
     x = tokens(40, seed=0, batch=1, vocab=101)
     calls = []
 
+    real = hook.fused_dense_attention
+
     def counting(*args, **kwargs):
         calls.append(kwargs.get("sinks") is not None)
-        return mlx_h2o.scaled_dot_product_attention_with_scores(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(hook, "scaled_dot_product_attention_with_scores", counting)
+    monkeypatch.setattr(hook, "fused_dense_attention", counting)
     stock = _logits(model, x, fused=False)
     assert not calls
     fused = _logits(model, x, fused=True)
@@ -64,8 +66,8 @@ def test_baseline_policies_attend_with_the_fused_kernel_by_default(policy, optio
     finally:
         mlx_h2o.use_fast_cpu_attention(None)
     calls = []
-    real = hook.scaled_dot_product_attention_with_scores
-    monkeypatch.setattr(hook, "scaled_dot_product_attention_with_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = hook.fused_dense_attention
+    monkeypatch.setattr(hook, "fused_dense_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = mlx_h2o.make_cache(model, policy, **options)
     assert all(isinstance(c, FusedAttention) for c in cache)
     fused = step_logits(model, x, cache, prefill=20, every_position=True)

@@ -26,15 +26,17 @@ def _declared_entry_points():
     return pyproject["project"]["entry-points"]["mlx_lm.cache_policies"]
 
 
-def test_pyproject_declares_every_policy_mlx_lm_lacks():
+def test_pyproject_declares_every_policy_mlx_lm_lacks_and_full():
     declared = _declared_entry_points()
     assert sorted(declared) == mlx_lm_plugin.registered_names()
+    assert "full" in declared and "rotating" not in declared
     for name, target in declared.items():
         module, attr = target.split(":")
         assert module == "mlx_h2o.mlx_lm_plugin"
         obj = getattr(mlx_lm_plugin, attr)
         assert all(hasattr(obj, a) for a in PROTOCOL), (name, obj)
         assert obj.name == name
+        assert obj.replaces_builtin is (name == "full")  # (mlx-lm's own policy otherwise: an error)
 
 
 def test_plugin_builds_the_same_caches_as_make_cache(smollm):
@@ -80,6 +82,11 @@ def test_mlx_lm_finds_the_policies_through_entry_points(smollm):
     assert type(caches[0]).__name__ == "H2OKVCache" and caches[0].config.budget.max_kv_size == 64
     with pytest.raises(ValueError, match="installed policies: .*h2o"):
         make_prompt_cache(model, policy="h2o-typo")
+    # "full" is ours (every token; batches share forked prefixes), named as replacing mlx-lm's;
+    # no policy keeps mlx-lm's default caches.
+    assert "share its rows (replaces mlx-lm's built-in)" in cache_policies.describe_policies()
+    assert {type(c).__name__ for c in make_prompt_cache(model, policy="full")} == {"FusedKVCache"}
+    assert {type(c).__name__ for c in make_prompt_cache(model)} == {"KVCache"}
 
 
 @pytest.mark.patched_mlx_lm

@@ -9,9 +9,12 @@ policy, so every mlx-lm command runs them:
 
 Each attribute is a `PluginPolicy`: mlx-lm's plugin protocol (`name`, `summary`, `options`,
 `parse_options`, `make`, `cache_classes`) over `mlx_h2o.caches.POLICIES[name]`. mlx-lm builds in
-`full` and `rotating` (the same caches as ours), so those two are not registered: a name defined
-twice is an error in mlx-lm. With stock mlx-lm nothing reads these entry points, and mlx-h2o keeps
-working through its hook.
+`full` and `rotating`. `rotating` is the same cache as ours, so it is not registered (a name defined
+twice is an error in mlx-lm). `full` replaces mlx-lm's (`replaces_builtin`, patch 0009): the same
+caches, every token, whose batches hold a prefix that forked requests share once (mlx-lm's
+BatchKVCache holds it once per request; caches/baseline.py). Without a policy mlx-lm keeps its own
+default caches. With stock mlx-lm nothing reads these entry points, and mlx-h2o keeps working
+through its hook.
 """
 
 from dataclasses import dataclass
@@ -19,8 +22,10 @@ from typing import Any, Callable, Optional, Sequence
 
 from .caches import POLICIES
 
-# Policies mlx-lm defines itself (models/cache_policies.py of the patched wheel).
+# Policies mlx-lm defines itself (models/cache_policies.py of the patched wheel), and which of them
+# this package replaces.
 MLX_LM_BUILTINS = ("full", "rotating")
+REPLACED_BUILTINS = ("full",)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class PluginPolicy:
         self.policy = policy
         self.name, self.summary, self.cache_classes = policy.name, policy.summary, policy.cache_classes
         self.options = tuple(PluginOption.of(o) for o in policy.options)
+        self.replaces_builtin = policy.name in REPLACED_BUILTINS
 
     def parse_options(self, items):
         return self.policy.parse_options(items)
@@ -63,10 +69,11 @@ class PluginPolicy:
 
 def registered_names():
     """The policies this module exports (pyproject.toml lists the same names)."""
-    return sorted(n for n in POLICIES if n not in MLX_LM_BUILTINS)
+    return sorted(n for n in POLICIES if n not in MLX_LM_BUILTINS or n in REPLACED_BUILTINS)
 
 
 # One attribute per entry point of pyproject.toml's [project.entry-points."mlx_lm.cache_policies"].
+full = PluginPolicy(POLICIES["full"])
 h2o = PluginPolicy(POLICIES["h2o"])
 quantized = PluginPolicy(POLICIES["quantized"])
 reserved = PluginPolicy(POLICIES["reserved"])

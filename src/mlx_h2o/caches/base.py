@@ -16,6 +16,7 @@ the hook, so no policy can forget it and a cache loaded in a fresh process atten
 """
 
 import json
+from typing import Optional
 
 from mlx_lm.models import cache as lm_cache
 
@@ -106,3 +107,31 @@ class AttendingCache(SavedCache):
         """This layer's attention output (B, Hq, L, Dv) for `queries` over what `update_and_fetch`
         returned (`keys`, `values`: arrays, or K/V segments and None)."""
         raise NotImplementedError
+
+
+def fetched_ids(fetched) -> tuple:
+    """What `handed_on` compares a layer's attention call with: the ids of the (keys, values) a
+    cache's update_and_fetch returned (ids only: references would keep the buffers)."""
+    return id(fetched[0]), id(fetched[1])
+
+
+def handed_on(ids: Optional[tuple], keys, values) -> bool:
+    """Whether attention got exactly what update_and_fetch returned (`ids`): the model hands the
+    rows on untouched (mlx-lm's attention), so they may come as segments of the fused op. Models
+    that read them don't: MLA computes with its latents and passes them on as keys and values both,
+    gemma2 attends inline and never calls."""
+    return ids == (id(keys), id(values))
+
+
+class FusedAttention:
+    """Mixin for an mlx-lm cache: its layer's attention by the fused kernel on CPU streams
+    (`hook.fused_attention`), mlx-lm's own elsewhere or after `use_fast_cpu_attention(False)`."""
+
+    def __new__(cls, *args, **kwargs):
+        hook.install()  # the constructor, from_state (load_prompt_cache) and copies all pass here
+        return super().__new__(cls)
+
+    def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        if not hook.baseline_attention_fused():
+            return hook.mlx_lm_attention(queries, keys, values, self, scale, mask, sinks)
+        return hook.fused_attention(queries, keys, values, self, scale, mask, sinks)  # mlx-lm's off the CPU

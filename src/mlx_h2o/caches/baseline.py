@@ -8,33 +8,66 @@ policy (no opt-in, so that `full` and `h2o` differ by what they keep, not by the
 subclasses below add `attend` and nothing else. State and save format stay mlx-lm's; a saved cache
 names the subclass, which load_prompt_cache finds once mlx-h2o is imported (or through the patched
 mlx-lm's policy plugins).
+
+Batched, the full cache holds a prefix its requests share once: `FusedKVCache.merge` makes a
+`SharedRowsBatch` (caches/shared_rows.py), where mlx-lm's `BatchKVCache` copies it into each
+request's row of one padded array.
 """
+
+import copy
 
 from mlx_lm.models import cache as lm_cache
 
 from .. import hook
 from ..options import REQUIRED, Int, Option, Policy
 from . import per_layer_caches, register_policy
+from .base import FusedAttention, fetched_ids, handed_on
+from .shared_rows import SharedRowsKVCache, rows_piece
 
 MAX_KV_SIZE = Option("max_kv_size", Int(1), REQUIRED, "KV budget in tokens per layer")
 
 
-class FusedAttention:
-    """Mixin for an mlx-lm cache: its layer's attention by the fused kernel on CPU streams
-    (`hook.fused_attention`), mlx-lm's own elsewhere or after `use_fast_cpu_attention(False)`."""
+class FusedKVCache(FusedAttention, lm_cache.KVCache):
+    """mlx-lm's KVCache, attended by the fused CPU kernel; batched, its sequences hold a shared
+    prefix once (SharedRowsBatch)."""
 
-    def __new__(cls, *args, **kwargs):
-        hook.install()  # the constructor, from_state (load_prompt_cache) and copies all pass here
-        return super().__new__(cls)
+    merge = SharedRowsKVCache.merge
+    # Learnt as SharedRowsKVCache learns it, for the copies a batch makes of this cache: those of a
+    # snapshot that knows get their shared rows as they are from their first call.
+    passes_rows, _fetched_id = None, None
+    _shared = None  # shared_rows(), while the rows are unchanged
+
+    def update_and_fetch(self, keys, values):
+        self._shared = None
+        fetched = super().update_and_fetch(keys, values)
+        self._fetched_id = fetched_ids(fetched)
+        return fetched
+
+    def trim(self, n):
+        self._shared = None
+        return super().trim(n)
+
+    def shared_rows(self):
+        """Its rows as one read-only store (views of its buffers) that it and its copies hand to a
+        batch, which then holds them once (caches/shared_rows.py)."""
+        if self._shared is None:
+            self._shared = rows_piece(self)
+        return self._shared
+
+    def __deepcopy__(self, memo):
+        # The copy's arrays are new MLX handles on the same buffers (writing one never changes the
+        # other), and it shares this cache's read-only store of them.
+        shared = self.shared_rows() if self.keys is not None and self.offset else None
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != "_shared"})
+        twin._shared = shared
+        return twin
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
-        if not hook.baseline_attention_fused():
-            return hook.mlx_lm_attention(queries, keys, values, self, scale, mask, sinks)
-        return hook.fused_attention(queries, keys, values, self, scale, mask, sinks)  # mlx-lm's off the CPU
-
-
-class FusedKVCache(FusedAttention, lm_cache.KVCache):
-    """mlx-lm's KVCache, attended by the fused CPU kernel."""
+        if self.passes_rows is None:
+            self.passes_rows = handed_on(self._fetched_id, keys, values)
+        return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
 class FusedRotatingKVCache(FusedAttention, lm_cache.RotatingKVCache):
@@ -64,8 +97,8 @@ def _rotating(model, max_kv_size, keep):
     return per_layer_caches(model, lambda i: FusedRotatingKVCache(max_size=max_kv_size, keep=keep))
 
 
-register_policy(Policy("full", "every token (the model's own cache)", (), _full,
-                       cache_classes=(FusedKVCache, FusedRotatingKVCache)))
+register_policy(Policy("full", "every token (the model's own caches); batched, requests forked from one prompt cache share its rows",
+                       (), _full, cache_classes=(FusedKVCache, FusedRotatingKVCache, SharedRowsKVCache)))
 register_policy(
     Policy(
         "rotating",

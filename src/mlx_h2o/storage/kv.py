@@ -9,7 +9,7 @@ v_bits) pair: keys are the sensitive half, so K8/V4 spends its bits where they m
 """
 
 from abc import ABC, abstractmethod
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -222,6 +222,13 @@ class KVStore(KVStorage):
             return self.k.view(self.length), self.v.view(self.length)
         return super().fetch()
 
+    def joined(self) -> Tuple[mx.array, mx.array]:
+        """Every row of a dense store as (keys, values) arrays, shared and own joined (a new array
+        when there are several pieces), leaving the store as it is."""
+        if self.k.bits is not None or self.v.bits is not None:
+            raise ValueError("joined() reads dense rows; packed rows are read as segments()")
+        return self._joined("k")[0], self._joined("v")[0]
+
     def nbytes(self) -> int:
         return sum(piece.nbytes() for piece in self.shared) + self.k.nbytes(self._length) + self.v.nbytes(self._length)
 
@@ -239,6 +246,19 @@ class KVStore(KVStorage):
         self._length = self.k.capacity
 
     # -- sharing --------------------------------------------------------------------------------
+    @classmethod
+    def reading(cls, keys: Optional[mx.array], values: Optional[mx.array], after: Sequence["KVStore"] = ()) -> "KVStore":
+        """A dense store whose rows are those of the read-only pieces `after` (another store's
+        `shared`), then `keys`, `values` (B, H, n, D; None: none), all read in place as a shared
+        prefix (never written: new rows go to buffers of its own)."""
+        store = cls()
+        store.shared = list(after) + ([store._piece((keys,), (values,), keys.shape[2])] if keys is not None else [])
+        return store
+
+    def own(self) -> Optional[Tuple[mx.array, mx.array]]:
+        """The rows after the shared prefix as (keys, values) views of a dense store, or None."""
+        return (self.k.view(self._length), self.v.view(self._length)) if self._length else None
+
     def __deepcopy__(self, memo):
         self.share_rows()
         twin = self._piece()
@@ -247,9 +267,11 @@ class KVStore(KVStorage):
         return twin
 
     def share_rows(self) -> None:
-        """Make the rows held a read-only prefix (what copies share); new rows go to new buffers."""
+        """Make the rows held a read-only prefix (what copies share); new rows go to new buffers.
+        The prefix holds exactly its rows: a request's question in a buffer with room for its answer
+        would keep that room, in every copy, for as long as the copies live."""
         if self._length:
-            self.shared = self.shared + [self._piece(self.k.state(self._length), self.v.state(self._length), self._length)]
+            self.shared = self.shared + [self._piece(self.k.exact(self._length), self.v.exact(self._length), self._length)]
             self.k.arrays = self.v.arrays = None
             self._length = 0
         if len(self.shared) > MAX_SHARED_PIECES:

@@ -137,5 +137,12 @@ class RowStore:
     def state(self, n: int) -> List[mx.array]:
         return [a[:, :, :n] for a in self.arrays]
 
+    def exact(self, n: int) -> List[mx.array]:
+        """The first n rows in arrays of their own size: views when the buffers hold exactly n, else
+        copies (a view would keep the whole buffer, spare room included)."""
+        if self.capacity == n:
+            return self.state(n)
+        return [mx.contiguous(a[:, :, :n]) for a in self.arrays]
+
     def load(self, arrays: Sequence[mx.array]) -> None:
         self.arrays = tuple(arrays)

@@ -32,8 +32,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from ...distributed import SharesGroup
-from ..base import AttendingCache
-from .batch import BatchH2OKVCache
+from ..base import AttendingCache, fetched_ids, handed_on
+from ..batch import SequenceBatch
 from .bytes import resolve
 from .eviction import choose_entries
 from .lane import join_outputs, make_lanes
@@ -80,7 +80,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
         self._pending = None  # a byte budget's multi-token call, appended in steps by attend
         # Whether the model hands the fetched rows to attention untouched (mlx-lm's attention): then
         # they may come in shared pieces (storage/kv.py). Models that read them (gemma2's inline
-        # attention, MLA's latent rows) get arrays. id() only: a reference would keep the buffer.
+        # attention, MLA's latent rows) get arrays (caches/base.py: handed_on).
         self.passes_rows, self._fetched_id = False, None
         self.budget, self.archive_size = self.layer_budget, 0  # in force: less the archive's share once the first rows came
 
@@ -130,8 +130,12 @@ class H2OKVCache(SharesGroup, AttendingCache):
 
     @classmethod
     def merge(cls, caches):
-        """mlx-lm's BatchGenerator: several sequences' caches of this layer as one batch cache (batch.py)."""
-        return BatchH2OKVCache.merge(caches)
+        """mlx-lm's BatchGenerator: several sequences' caches of this layer as one batch cache
+        (caches/batch.py), each evicting on its own."""
+        batch = SequenceBatch.merge(caches)
+        if any(c.shape is not None and c.shape[0] != 1 for c in batch.caches):
+            raise ValueError("h2o caches merge into a batch only from single-sequence caches")
+        return batch
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None and self.offset + N > window_size:
@@ -191,7 +195,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
         if not self.passes_rows:
             store.own_rows()
         fetched = store.fetch()
-        self._fetched_id = id(fetched[0])
+        self._fetched_id = fetched_ids(fetched)
         return fetched
 
     def _resolve(self, H: int, head_dims, itemsize: int):
@@ -230,7 +234,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
         """Attention for this layer, each lane's scores folded into its columns."""
         if self._pending is not None:
             return self._attend_in_steps(queries, scale=scale, sinks=sinks)
-        self.passes_rows |= id(keys) == self._fetched_id
+        self.passes_rows |= handed_on(self._fetched_id, keys, values)
         _check_call(self.lanes, keys, values, mask)
         self.scale, outs = float(scale), []
         for lane in self.lanes:

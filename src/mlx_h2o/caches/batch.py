@@ -1,9 +1,11 @@
-"""Batched h2o for mlx-lm's `BatchGenerator` (and so `batch_generate` and `mlx_lm.server`).
+"""A batch of sequences that keep their own caches, for mlx-lm's `BatchGenerator` (and so
+`batch_generate` and `mlx_lm.server`).
 
-`H2OKVCache.merge(caches)` returns a `BatchH2OKVCache`: one layer's caches of several sequences,
-each still its own `H2OKVCache` with its own length, offset, scores and evictions. Nothing is
-padded: a model call of B sequences hands each sequence its own rows and the fused op runs once per
-sequence (its keys differ in number and position from the others'). mlx-lm's batch protocol:
+`SequenceBatch.merge(caches)`: one layer's caches of several sequences, each still its own cache
+with its own length and offset (an h2o cache: its own scores and evictions; the full cache's
+`SharedRowsKVCache`: rows shared with the other copies of one snapshot). Nothing is padded: a model
+call of B sequences hands each sequence its own rows and the fused op runs once per sequence (its
+keys differ in number and position from the others'). mlx-lm's batch protocol:
 
 - `offset` is the (B,) array of the sequences' token counts (RoPE positions, as BatchKVCache's);
 - `prepare(lengths=, right_padding=)` / `finalize()`: a batched prompt is right-padded; each
@@ -18,11 +20,11 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..base import AttendingCache
+from .base import AttendingCache
 
 
-class BatchH2OKVCache(AttendingCache):
-    """One layer of a batch of h2o sequences (see the module docstring)."""
+class SequenceBatch(AttendingCache):
+    """One layer of a batch of sequences in caches of their own (see the module docstring)."""
 
     def __init__(self, caches: List):
         self.caches = list(caches)
@@ -33,11 +35,10 @@ class BatchH2OKVCache(AttendingCache):
 
     @classmethod
     def merge(cls, caches):
+        """The sequences of `caches` (single-sequence caches, or batches of them) as one batch."""
         out = []
         for c in caches:
             out += c.caches if isinstance(c, cls) else [c]
-        if any(c.shape is not None and c.shape[0] != 1 for c in out):
-            raise ValueError("h2o caches merge into a batch only from single-sequence caches")
         return cls(out)
 
     # ------------------------------------------------------------------ batch protocol
@@ -47,7 +48,7 @@ class BatchH2OKVCache(AttendingCache):
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None and max(left_padding) > 0:
-            raise ValueError("a batched h2o cache takes right-padded prompts (lengths=, right_padding=), not left padding")
+            raise ValueError("a batch of per-sequence caches takes right-padded prompts (lengths=, right_padding=), not left padding")
         if lengths is not None:
             self._lengths, self._fed = list(lengths), 0
 
@@ -82,15 +83,19 @@ class BatchH2OKVCache(AttendingCache):
         return None if N == 1 else "causal"
 
     # ------------------------------------------------------------------ the layer's calls
+    def rows_of_call(self, L: int) -> List[int]:
+        """Each sequence's real rows in the next call of L rows (fewer, in a right-padded prompt)."""
+        if self._lengths is None:
+            return [L] * len(self.caches)
+        return [max(0, min(n - self._fed, L)) for n in self._lengths]
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if keys.shape[0] != len(self.caches):
             raise ValueError(f"keys have batch {keys.shape[0]} but the batch cache holds {len(self.caches)} sequences")
         L = keys.shape[2]
         self._value_dim = values.shape[-1]
-        if self._lengths is None:
-            self._rows = [L] * len(self.caches)
-        else:
-            self._rows = [max(0, min(n - self._fed, L)) for n in self._lengths]
+        self._rows = self.rows_of_call(L)
+        if self._lengths is not None:
             self._fed += L
         fetched = []
         for b, (c, n) in enumerate(zip(self.caches, self._rows)):
@@ -118,4 +123,4 @@ class BatchH2OKVCache(AttendingCache):
 
     @state.setter
     def state(self, value):
-        raise ValueError("a batched h2o cache is not loaded from a file; load its sequences' caches and merge them")
+        raise ValueError("a batch of per-sequence caches is not loaded from a file; load its sequences' caches and merge them")
