@@ -139,6 +139,7 @@ def test_a_batch_hands_back_a_full_cache(tmp_path):
     stock = lm_cache.make_prompt_cache(model)
     nxt = prefill(model, stock, held)
     twin, trimmed, stock_trimmed = copy.deepcopy(cache), copy.deepcopy(cache), copy.deepcopy(stock)
+    twin_before_trim = copy.deepcopy(cache)
     path = str(tmp_path / "extracted.safetensors")
     lm_cache.save_prompt_cache(path, cache)
 
@@ -155,6 +156,14 @@ def test_a_batch_hands_back_a_full_cache(tmp_path):
     for c in (trimmed, stock_trimmed):
         assert lm_cache.can_trim_prompt_cache(c) and lm_cache.trim_prompt_cache(c, 20) == 20
     assert trimmed[0].offset == stock_trimmed[0].offset == len(held) - 20
+    # mlx-lm's prompt cache trims a copy of a conversation back to a shorter prompt: the rows stay
+    # shared (no copy), and copies trimmed alike read one head piece, so a batch holds it once.
+    again = copy.deepcopy(twin_before_trim)
+    lm_cache.trim_prompt_cache(again, 20)
+    assert all(c.rows.shared_length == len(held) - 20 and c.rows.own() is None for c in trimmed)
+    assert [c.rows.shared for c in again] == [c.rows.shared for c in trimmed]
+    batch = SharedRowsBatch.merge([trimmed[0], again[0]])
+    assert batch.grouped and [p.length for p in batch.prefix] == [len(held) - 20] and batch.tails.keys is None
     a, b = greedy(model, trimmed, held[-20], 4), greedy(model, stock_trimmed, held[-20], 4)
     assert a[0] == b[0]
     np.testing.assert_allclose(a[1], b[1], atol=1e-4)

@@ -141,6 +141,7 @@ class KVStore(KVStorage):
         self.k, self.v = RowStore(k_bits, group_size), RowStore(v_bits, group_size)
         self.shared = []  # read-only pieces before its own rows (the property)
         self._length = 0  # own rows
+        self._heads = {}  # head(n), as a shared piece
 
     @property
     def shared(self) -> List["KVStore"]:
@@ -209,9 +210,27 @@ class KVStore(KVStorage):
         self.v.write_at(idx, values)
 
     def trim(self, n: int) -> None:
-        if n > self._length:
-            self.own_rows()
-        self._length -= n
+        if n <= self._length:
+            self._length -= n
+            return
+        # Into the shared prefix: keep the head of its pieces, still shared (no copy). mlx-lm's
+        # prompt cache trims a copy of a longer conversation back to the common prefix; copies
+        # trimmed alike get the same head piece, so a batch still holds it once.
+        keep, self._length, self.k.arrays, self.v.arrays = self.length - n, 0, None, None
+        pieces = []
+        for piece in self.shared:
+            if keep <= 0:
+                break
+            pieces.append(piece if piece._length <= keep else piece.head(keep))
+            keep -= piece._length
+        self.shared = pieces
+
+    def head(self, n: int) -> "KVStore":
+        """A read-only store of this one's first n own rows (views), one per n: what copies trimmed
+        into this shared piece read."""
+        if n not in self._heads:
+            self._heads[n] = self._piece(self.k.state(n), self.v.state(n), n)
+        return self._heads[n]
 
     def segments(self) -> list:
         own = [(self.k.view(self._length), self.v.view(self._length))] if self._length else []
