@@ -132,9 +132,9 @@ class KVStore(KVStorage):
     Copies share their rows, copy on write. `copy.deepcopy` turns the rows held into a read-only
     prefix that the original and the copy both read (MLX arrays are immutable: nothing is copied),
     and each appends after it in buffers of its own. The first call that rewrites rows (a
-    compaction, a trim into the prefix, `write_rows`) copies the prefix into the store's own
-    buffer. So requests forked from one prompt-cache snapshot (mlx-lm's server deep-copies it for
-    each) hold the snapshot's rows once until they evict."""
+    compaction, `write_rows`) copies the prefix into the store's own buffer; a trim into the prefix
+    keeps its head shared (`head`). So requests forked from one prompt-cache snapshot (mlx-lm's
+    server deep-copies it for each) hold the snapshot's rows once until they evict."""
 
     def __init__(self, bits=None, group_size: int = 32):
         k_bits, v_bits = role_bits(bits)
