@@ -27,6 +27,9 @@ from .attention import quantized_scaled_dot_product_attention_with_scores, scale
 
 _target = _base.scaled_dot_product_attention
 _original_code = _target.__code__
+# The fork's MLX (the attention ops, patches 0003-0005) runs its own SDPA on the fused CPU kernel
+# (patch 0009, in every build of the series): fixed for the process, read on every layer's call.
+_MLX_SDPA_IS_FUSED = _ops.mlx_has_ops()
 # A callable copy of mlx-lm's original function, immune to the code swap.
 _original = types.FunctionType(_original_code, _target.__globals__, "scaled_dot_product_attention", _target.__defaults__)
 # None: the default (the policies' caches attend with the fused kernel, other caches with mlx-lm's
@@ -63,7 +66,7 @@ def fused_dense_attention(queries, keys, values, *, scale, mask, sinks=None):
     """The fused kernel over dense K/V, without scores. The fork's MLX runs it as its own SDPA (patch
     0009, which every MLX with the attention ops has): one C++ call, where the op's Python wrapper
     cost the fork's `--kv-policy full` ~10 % of a batched decode step (docs/mlx-lm.md)."""
-    if _ops.mlx_has_ops():
+    if _MLX_SDPA_IS_FUSED:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     return scaled_dot_product_attention_with_scores(queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks)[0]
 

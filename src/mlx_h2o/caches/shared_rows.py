@@ -137,6 +137,13 @@ def rows_piece(cache: lm_cache.KVCache) -> KVStore:
     return KVStore.reading(cache.keys[:, :, :n], cache.values[:, :, :n]).shared[0]
 
 
+def _passes_rows(caches) -> Optional[bool]:
+    """What the sequences have learnt of the model (they share it): True if any saw the rows passed
+    on, False if one saw them read, None before any call."""
+    known = {c.passes_rows for c in caches} - {None}
+    return True if True in known else (False if known else None)
+
+
 def _kv_cache(rows) -> lm_cache.KVCache:
     """An mlx-lm KVCache holding (keys, values) rows as they are (None: empty)."""
     cache = lm_cache.KVCache()
@@ -199,8 +206,7 @@ class SharedRowsBatch(SequenceBatch):
         own = [c.rows.own() for c in self.caches]
         # (BatchKVCache.merge makes a plain BatchKVCache when no sequence has rows)
         self.tails = TailsKVCache.merge([_kv_cache(rows) for rows in own]) if any(own) else TailsKVCache([0] * len(own))
-        known = {c.passes_rows for c in self.caches} - {None}
-        self._passes = True if True in known else (False if known else None)
+        self._passes = _passes_rows(self.caches)
         self._segments = [segment for piece in self.prefix for segment in piece.segments()]
         self.caches = []
 
@@ -231,8 +237,12 @@ class SharedRowsBatch(SequenceBatch):
             return self.tails.offset
         return self.tails.offset + mx.array(self._prefix_lengths())
 
+    @property
+    def _prefix_length(self) -> int:
+        return sum(piece.length for piece in self.prefix)
+
     def _prefix_lengths(self) -> List[int]:
-        n = sum(piece.length for piece in self.prefix)
+        n = self._prefix_length
         return [n if has else 0 for has in self.with_prefix]
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
@@ -269,7 +279,7 @@ class SharedRowsBatch(SequenceBatch):
         return self._sequence(idx) if self.grouped else super().extract(idx)
 
     def size(self):
-        return sum(piece.length for piece in self.prefix) + self.tails.size() if self.grouped else super().size()
+        return self._prefix_length + self.tails.size() if self.grouped else super().size()
 
     def empty(self):
         return (not self.prefix and self.tails.empty()) if self.grouped else super().empty()
@@ -291,10 +301,7 @@ class SharedRowsBatch(SequenceBatch):
     # ------------------------------------------------------------------ the layer's calls
     @property
     def passes_rows(self) -> Optional[bool]:
-        if self.grouped:
-            return self._passes
-        known = {c.passes_rows for c in self.caches} - {None}
-        return True if True in known else (False if known else None)
+        return self._passes if self.grouped else _passes_rows(self.caches)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if self.grouped:
@@ -309,7 +316,7 @@ class SharedRowsBatch(SequenceBatch):
         mask = self.tails.make_mask(N, return_array=return_array, window_size=window_size)  # (B, 1, N, tails)
         if not self.prefix:
             return mask
-        P = sum(piece.length for piece in self.prefix)
+        P = self._prefix_length
         mask = mx.broadcast_to(mask, (len(self.with_prefix), 1, *mask.shape[-2:]))
         visible = mx.broadcast_to(mx.array(self.with_prefix)[:, None, None, None], (mask.shape[0], 1, N, P))
         return mx.concatenate([visible, mask], axis=-1)
@@ -348,11 +355,12 @@ class SharedRowsBatch(SequenceBatch):
 
     def _padded_rows(self, keys, values):
         width = max(c.offset for c in self.caches)
+        joined = [c.rows.joined() if c.offset else None for c in self.caches]  # (each pair once)
         padded = []
         for x, role in ((keys, 0), (values, 1)):
             parts = []
-            for c in self.caches:
-                rows = c.rows.joined()[role] if c.offset else mx.zeros((1, x.shape[1], 0, x.shape[3]), x.dtype)
+            for rows in joined:
+                rows = rows[role] if rows is not None else mx.zeros((1, x.shape[1], 0, x.shape[3]), x.dtype)
                 parts.append(mx.pad(rows, [(0, 0), (0, 0), (0, width - rows.shape[2]), (0, 0)]))
             padded.append(mx.concatenate(parts, axis=0))
         return tuple(padded)
