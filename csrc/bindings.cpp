@@ -14,6 +14,7 @@
 #include "kernels/isa.h"
 #include "norm_rope.h"
 #include "parallel.h"
+#include "kv_rows.h"
 #include "quantized_matmul.h"
 #include "uninitialized.h"
 
@@ -70,6 +71,12 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none(),
         "acc (..., C) float32 with its first N entries replaced by alpha * acc + beta * x (x: (..., N)),\n"
         "entries at or past `held` read as 0; one pass, in place when MLX can donate acc's buffer.");
+  m.def("rotate_rows", &mlx_h2o::rotate_rows, "x"_a, "rotation"_a, "dtype"_a, "stream"_a = nb::none(),
+        "x (..., D) @ rotation (D, D), each output summed in float64 and rounded once to dtype.");
+  m.def("quantize_rows_into", &mlx_h2o::quantize_rows_into, "packed"_a, "scales"_a, "biases"_a, "x"_a, "start"_a,
+        "rotation"_a.none(), "bits"_a, "group_size"_a, "stream"_a = nb::none(),
+        "The packed buffers (packed, scales, biases) with rows [start, start + n) replaced by mx.quantize of\n"
+        "x (B, H, n, D), or of x @ rotation in x's dtype; one pass, in place when MLX can donate the buffers.");
 
 
   m.def(

@@ -59,6 +59,22 @@ def test_perplexity_table_policy_batch_matches_one_at_a_time():
         perplexity_table(model, specs, samples, progress=False, policy_batch_size=0)
 
 
+def test_perplexity_table_scores_after_the_prefill_for_kvpress_protocol():
+    """score_after_prefill: the NLL of only the tokens predicted after the prefill call (kvpress's
+    protocol, the context compressed once), the same values autoregressive_nll gives there."""
+    model = tiny_model("llama", **MODEL)
+    rng = np.random.default_rng(3)
+    samples = [("a", rng.integers(0, 128, 61).tolist()), ("b", rng.integers(0, 128, 61).tolist())]
+    specs = parse_specs(["full", "h2o"], [16])
+    rows = perplexity_table(model, specs, samples, prefill=40, progress=False, score_after_prefill=True)
+    for spec, row in zip(specs, rows):
+        nll = autoregressive_nll(model, np.array([s[1] for s in samples]), mlx_h2o.make_cache(model, spec.policy, **spec.options),
+                                 prefill=40)
+        assert row["scored"] == 20 == nll[:, 40:].shape[1]
+        np.testing.assert_allclose(row["sample_ppl"], np.exp(nll[:, 40:].mean(axis=1)), rtol=1e-5)
+    assert rows[1]["delta_pct"] > 0  # h2o at M = 16 lost what the prefill's 40 tokens held
+
+
 # ----------------------------------------------------------------------------- the probe
 def test_recall_sequences_layout():
     docs = _docs(4)

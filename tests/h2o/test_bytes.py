@@ -36,7 +36,7 @@ def allocated(cache) -> int:
                 walk(x)
         elif hasattr(obj, "__dict__") and id(obj) not in seen and type(obj).__name__ != "KVRotation":
             seen.add(id(obj))
-            walk(vars(obj))
+            walk({k: v for k, v in vars(obj).items() if k != "_view"})  # (a RowStore's views of its own buffers)
 
     for lane in cache.lanes or ():
         walk(lane.store)

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--speed-context", type=_positive_int, default=None, help="also measure decode speed after a context of this many tokens")
     e.add_argument("--speed-steps", type=_positive_int, default=64)
     e.add_argument("--plot", default=None, help="write a PNG of ΔPPL vs budget (or length) here")
+    e.add_argument("--score-after-prefill", action="store_true",
+                   help="score only the tokens predicted after the --prefill call (kvpress's protocol: --seq-len 1793 "
+                        "--prefill 1536 scores the 256 tokens after a 1536-token context)")
     e.set_defaults(func=cmd_eval)
 
     k = model_command("passkey", "passkey retrieval: a number hidden in real text, asked for at the end", [data, prefill_step])

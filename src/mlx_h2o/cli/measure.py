@@ -29,7 +29,8 @@ def cmd_eval(args) -> int:
             samples = set_samples(tokenizer, corpus, args.doc_set, args.samples, seq_len, seed=args.seed)
         print(f"seq {seq_len}: samples from " + ", ".join(os.path.basename(s[0]) for s in samples), file=sys.stderr)
         rows += perplexity_table(model, specs, samples, prefill=args.prefill, batch_size=args.batch_size,
-                                 progress=not args.quiet, policy_batch_size=args.policy_batch or 1)
+                                 progress=not args.quiet, policy_batch_size=args.policy_batch or 1,
+                                 score_after_prefill=args.score_after_prefill)
     for r in rows:
         r["doc_set"] = args.doc_set
     print(perplexity_markdown(rows))

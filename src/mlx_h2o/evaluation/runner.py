@@ -84,8 +84,12 @@ def perplexity_table(
     batch_size: Optional[int] = None,
     progress: bool = True,
     policy_batch_size: int = 1,
+    score_after_prefill: bool = False,
 ) -> List[dict]:
     """Autoregressive PPL of every spec over the same `samples` [(doc id, tokens)], batched.
+
+    Every token after the first is scored, or with `score_after_prefill` only those predicted after
+    the prefill call (kvpress's protocol: a context compressed once, then the NLL of what follows).
 
     `policy_batch_size` > 1 decodes that many policies together, each over its own rows of one
     batch (evaluation/batched.py: the same NLLs, the weights read once per step for all of them);
@@ -119,6 +123,8 @@ def perplexity_table(
         seconds = time.perf_counter() - t0
         for p, spec in enumerate(group):
             x = np.concatenate(nll[p], axis=0)
+            if score_after_prefill:
+                x = x[:, prefill:]
             rows.append(
                 {
                     "label": spec.label,
@@ -134,6 +140,7 @@ def perplexity_table(
                     "seconds": seconds,
                     "tok_s": len(group) * n * (length - 1) / seconds,
                     "policies_batched": len(group),
+                    "scored": x.shape[1],
                 }
             )
     full = [r["ppl"] for r in rows if r["policy"] == "full"]

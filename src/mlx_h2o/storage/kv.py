@@ -16,6 +16,9 @@ import mlx.core as mx
 from .._ops import MAX_SEGMENTS
 from .rows import RowStore, capacity_for, pad_indices
 
+# (rk, rv): float32 (D, D) matrices new rows are multiplied by before they are stored (KVStorage.append).
+Rotation = Optional[Tuple[mx.array, mx.array]]
+
 
 class KVStorage(ABC):
     """K/V rows of one cache layer, (B, H, rows, D) per tensor, in row order."""
@@ -26,9 +29,10 @@ class KVStorage(ABC):
         """Rows held."""
 
     @abstractmethod
-    def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None) -> None:
+    def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None, rotation: Rotation = None) -> None:
         """Write rows (B, H, L, D) after the held ones; `capacity` sizes the buffers when they grow
-        (None: steps of GROW_STEP rows)."""
+        (None: steps of GROW_STEP rows). With `rotation` (rk, rv), the rows to keep are keys @ rk and
+        values @ rv, in their dtype (a rotated storage, rotation.py, lets the write do it)."""
 
     @abstractmethod
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
@@ -165,16 +169,17 @@ class KVStore(KVStorage):
     def capacity(self) -> int:
         return self.shared_length + self.k.capacity
 
-    def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None) -> None:
-        ek, ev = self.k.encode(keys), self.v.encode(values)
+    def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None, rotation: Rotation = None) -> None:
         start = self._length
         needed = start + keys.shape[2]
         if needed > self.k.capacity:
             own = capacity_for(needed, capacity) if not self.shared else tail_capacity(needed, capacity, self.shared_length)
-            self.k.reserve(ek, start, own)
-            self.v.reserve(ev, start, own)
-        self.k.write(start, ek)
-        self.v.write(start, ev)
+            # (encode only builds the graph here, never evaluated: the buffers' shapes and dtypes)
+            self.k.reserve(self.k.encode(keys), start, own)
+            self.v.reserve(self.v.encode(values), start, own)
+        rk, rv = (None, None) if rotation is None else rotation
+        self.k.put(start, keys, rk)
+        self.v.put(start, values, rv)
         self._length = needed
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
@@ -335,10 +340,10 @@ class TieredKV(KVStorage):
     def length(self) -> int:
         return self.low.length + self.high.length
 
-    def append(self, keys, values, capacity: Optional[int] = None) -> None:
+    def append(self, keys, values, capacity: Optional[int] = None, rotation: Rotation = None) -> None:
         # Exact room: demote() cuts the high tier back to its newest rows, so spare capacity there
-        # would be allocated and dropped on every call.
-        self.high.append(keys, values, self.high.length + keys.shape[2])
+        # would be allocated and dropped on every call. (Demoted rows are stored rows: not rotated again.)
+        self.high.append(keys, values, self.high.length + keys.shape[2], rotation)
         self.demote(self.window, capacity)
 
     def demote(self, keep_high: int, capacity: Optional[int]) -> None:

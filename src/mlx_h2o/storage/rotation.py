@@ -22,6 +22,7 @@ from typing import Optional, Tuple, Union
 import mlx.core as mx
 import numpy as np
 
+from .._native import _ext
 from .kv import KVStorage
 from .wrapper import KVWrapper
 
@@ -71,7 +72,9 @@ class KVRotation:
     @staticmethod
     def _matrices(signs):
         r = orthonormal_basis(signs.shape[0]) * np.array(signs.astype(mx.float32), dtype=np.float64)[None, :]
-        return mx.array(r.astype(np.float32)), mx.array(r.T.astype(np.float32))  # R, Rᵀ (x @ Rᵀ = x rotated)
+        # R, Rᵀ (x @ Rᵀ = x rotated), row-major: mx.array keeps a NumPy array's strides, and a transposed
+        # matrix would be copied by every packed write that reads it (_ext.quantize_rows_into)
+        return mx.array(np.ascontiguousarray(r, np.float32)), mx.array(np.ascontiguousarray(r.T, np.float32))
 
     @classmethod
     def seeded(cls, dk: int, dv: int, seed: int) -> "KVRotation":
@@ -101,26 +104,26 @@ class KVRotation:
     def values(self, v: mx.array) -> mx.array:
         return self._store(v, self.rv_t, self.lam_v)
 
+    # The rotations are `_ext.rotate_rows`: one primitive (a matmul of a decode step's few rows was
+    # three), each output summed in float64 and rounded once, as the packed write rotates its rows.
     @staticmethod
     def _store(x: mx.array, rt, lam) -> mx.array:
-        y = x.astype(mx.float32) @ rt
-        if lam is not None:
-            y = y * lam[None, :, None, :]
-        return y.astype(x.dtype)
+        if lam is None:
+            return _ext.rotate_rows(x, rt, x.dtype)
+        return (_ext.rotate_rows(x, rt, mx.float32) * lam[None, :, None, :]).astype(x.dtype)
 
     def queries(self, q: mx.array) -> mx.array:
         """float32 q~ for (B, Hq, L, Dk) queries."""
-        y = q.astype(mx.float32) @ self.rk_t
+        y = _ext.rotate_rows(q, self.rk_t, mx.float32)
         lam = self._per_head(self.lam_k, q.shape[1])
         return y if lam is None else y / lam
 
     def output(self, o: mx.array, dtype) -> mx.array:
         """Attention output computed on stored values -> the model's space, in `dtype`."""
         lam = self._per_head(self.lam_v, o.shape[1])
-        o = o.astype(mx.float32)
         if lam is not None:
-            o = o / lam
-        return (o @ self.rv).astype(dtype)
+            o = o.astype(mx.float32) / lam
+        return _ext.rotate_rows(o, self.rv, dtype)
 
     @property
     def state(self):
@@ -141,14 +144,20 @@ class RotatedKV(KVWrapper):
         self.seed, self.lam = seed, lam
         self.rotation: Optional[KVRotation] = None
 
-    def append(self, keys, values, capacity=None) -> None:
+    def append(self, keys, values, capacity=None, rotation=None) -> None:
+        if rotation is not None:
+            raise ValueError("RotatedKV rotates its rows itself; it takes no rotation")
         if self.rotation is None:
             self.rotation = KVRotation.seeded(keys.shape[-1], values.shape[-1], self.seed)
             if isinstance(self.lam, tuple):
                 self.rotation.lam_k, self.rotation.lam_v = self.lam
             elif self.lam == "prefill":
                 self.rotation.fit_lambdas(keys, values)
-        self.inner.append(self.rotation.keys(keys), self.rotation.values(values), capacity)
+        if self.rotation.lam_k is None and self.rotation.lam_v is None:
+            # a plain rotation: the storage's write applies it (one primitive for packed rows)
+            self.inner.append(keys, values, capacity, (self.rotation.rk_t, self.rotation.rv_t))
+        else:
+            self.inner.append(self.rotation.keys(keys), self.rotation.values(values), capacity)
 
     def fetch(self):
         return self.segments(), None  # rotated rows are not the model's keys

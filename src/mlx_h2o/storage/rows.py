@@ -5,9 +5,13 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .._native import _ext
 from ..attention import PackedKV
 
 GROW_STEP = 256  # rows added when a buffer grows without a stated capacity (as mlx-lm's caches do)
+# Packed formats whose new rows one primitive rotates, quantizes and writes (_ext.quantize_rows_into):
+# MLX packs these bits into whole uint32 words.
+FUSED_WRITE_BITS = (2, 4, 8)
 
 
 def grown_capacity(needed: int) -> int:
@@ -69,6 +73,16 @@ class RowStore:
         self.bits, self.group_size = bits, group_size
         self.arrays: Optional[Tuple[mx.array, ...]] = None  # dense: (x,); packed: (packed, scales, biases)
 
+    @property
+    def arrays(self) -> Optional[Tuple[mx.array, ...]]:
+        return self._arrays
+
+    @arrays.setter
+    def arrays(self, arrays: Optional[Tuple[mx.array, ...]]) -> None:
+        # every change of the buffers goes through here (or write(), which mutates them): the views
+        # read before are of the old buffers
+        self._arrays, self._view = arrays, None
+
     # -- format --------------------------------------------------------------------------------
     def encode(self, x: mx.array) -> Tuple[mx.array, ...]:
         if self.bits is None:
@@ -101,9 +115,24 @@ class RowStore:
             self.arrays = grow_rows(self.arrays, length, capacity)
 
     def write(self, start: int, rows: Tuple[mx.array, ...]) -> None:
+        """Encoded rows (as `encode` returns them) at [start, start + n)."""
         n = rows[0].shape[2]
+        self._view = None  # (the assignments below replace what the arrays hold)
         for a, r in zip(self.arrays, rows):
             a[:, :, start : start + n] = r
+
+    def put(self, start: int, x: mx.array, rotation: Optional[mx.array] = None) -> None:
+        """Dense rows x (B, H, n, D) at [start, start + n), first rotated (x @ `rotation`, a float32
+        (D, D) matrix, summed in float64 and rounded once to x's dtype) when given. Packed at 2, 4 or
+        8 bits this is a primitive per buffer (`_ext.quantize_rows_into`, in place); as stock ops
+        it was up to 7 (the matmul's flatten, matmul and unflatten, the quantize, a slice_update per
+        array) for a decode step's one row."""
+        if self.bits in FUSED_WRITE_BITS and x.dtype == self.arrays[1].dtype:
+            self.arrays = tuple(_ext.quantize_rows_into(*self.arrays, x, start, rotation, self.bits, self.group_size))
+            return
+        if rotation is not None:
+            x = _ext.rotate_rows(x, rotation, x.dtype)
+        self.write(start, self.encode(x))
 
     def write_at(self, idx: mx.array, rows: mx.array) -> None:
         """Overwrite rows idx (B, H, n) with dense `rows` (B, H, n, ...), encoded in this format."""
@@ -127,9 +156,18 @@ class RowStore:
         self.arrays = tuple(a[:, :, n:length] for a in self.arrays)
 
     def view(self, n: int):
-        if self.bits is None:
-            return self.arrays[0][:, :, :n]
-        return PackedKV(*(a[:, :, :n] for a in self.arrays), self.bits, self.group_size)
+        """The first n rows as the fused kernel reads them (an array, or a PackedKV), in place. The
+        same objects until the buffers change: a store's older rows (a tiered cache's low tier, a
+        shared prefix) are read at every decode step and rewritten only when a compaction or a
+        demotion comes, so their views (up to three slices per K and per V, in Python and in the
+        step's graph) are made once per change, not once per step."""
+        if self._view is None or self._view[0] != n:
+            if self.bits is None:
+                view = self.arrays[0][:, :, :n]
+            else:
+                view = PackedKV(*(a[:, :, :n] for a in self.arrays), self.bits, self.group_size)
+            self._view = (n, view)
+        return self._view[1]
 
     def nbytes(self, n: int) -> int:
         return 0 if self.arrays is None else sum(a[:, :, :n].nbytes for a in self.arrays)

@@ -51,14 +51,14 @@ class WindowTieredKV(TieredKV):
         super().__init__(low_bits, high_bits, window, group_size)
         self.slack = slack
 
-    def append(self, keys, values, capacity=None) -> None:
+    def append(self, keys, values, capacity=None, rotation=None) -> None:
         L = keys.shape[2]
         if L > self.slack:  # a prefill chunk: appended whole, then cut back to the window
-            return super().append(keys, values, capacity)
+            return super().append(keys, values, capacity, rotation)
         room = self.window + self.slack
         if self.high.length + L > room:
             self.demote(self.window, capacity)
-        self.high.append(keys, values, room)
+        self.high.append(keys, values, room, rotation)
 
     def demote(self, keep_high, capacity):
         super().demote(keep_high, None if capacity is None else max(capacity - self.window, 1))

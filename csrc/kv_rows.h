@@ -1,0 +1,76 @@
+// The K/V rows a cache stores, one primitive per step of their way in and out:
+// - rotate_rows: rows times a rotation (a rotated cache's queries on the way in, its attention
+//   output on the way back, storage/rotation.py), where a matmul of a few rows was three primitives
+//   (flatten, matmul, unflatten);
+// - quantize_rows_into: new K or V rows written into a cache's packed buffers.
+//
+// A cache that stores rows packed (MLX's affine format: packed words, scales, biases) appends each
+// decode step's rows as mx.quantize and three slice_updates, plus a matmul (flatten, matmul,
+// unflatten) when it keeps them rotated (storage/rotation.py): seven primitives for K and seven for
+// V per layer and step, each scheduled on its own, for a few rows. Here one primitive per buffer
+// rotates, quantizes and writes its part of the rows, in place when MLX can donate the buffer. (One
+// per buffer, not one with three outputs: MLX gives each output of a primitive its own reference to
+// the inputs, so an input of a multi-output primitive is never donatable and every write would copy
+// the whole buffer.)
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "mlx/ops.h"
+
+#include "composed_primitive.h"
+
+namespace mlx_h2o {
+
+namespace mx = mlx::core;
+
+/** x (..., D) float32 / float16 / bfloat16 rows times a float32 (D, D) `rotation`: x @ rotation,
+ *  each output summed in float64 and rounded once to `dtype` (float32, float16 or bfloat16). */
+mx::array rotate_rows(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::StreamOrDevice s = {});
+
+class RotateRows : public ComposedPrimitive {
+ public:
+  RotateRows(mx::Stream stream, mx::Dtype dtype) : ComposedPrimitive(stream), dtype_(dtype) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "RotateRows"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  mx::Dtype dtype_;
+};
+
+/** The buffers (packed (B, H, C, D * bits / 32) uint32, scales and biases (B, H, C, D / group_size)
+ *  of x's dtype) with rows [start, start + n) replaced by mx::quantize(y, group_size, bits) of
+ *  y = x (B, H, n, D), or y = (x @ rotation) in x's dtype when a float32 (D, D) `rotation` is
+ *  given (accumulated in float64). Rows outside [start, start + n) are unchanged. bits: 2, 4 or 8;
+ *  group_size: 32, 64 or 128, dividing D. */
+std::vector<mx::array> quantize_rows_into(const mx::array& packed, const mx::array& scales, const mx::array& biases,
+                                          const mx::array& x, int start, const std::optional<mx::array>& rotation,
+                                          int bits, int group_size, mx::StreamOrDevice s = {});
+
+/** Which array of the packed format a QuantizeRowsInto writes. */
+enum class PackedPart : int { words = 0, scales = 1, biases = 2 };
+
+/** Inputs: {the part's buffer, x, rotation (when rotated)}; one output, the buffer written. */
+class QuantizeRowsInto : public ComposedPrimitive {
+ public:
+  QuantizeRowsInto(mx::Stream stream, PackedPart part, int start, int bits, int group_size, bool rotated)
+      : ComposedPrimitive(stream), part_(part), start_(start), bits_(bits), group_size_(group_size), rotated_(rotated) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "QuantizeRowsInto"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  PackedPart part_;
+  int start_, bits_, group_size_;
+  bool rotated_;
+};
+
+}  // namespace mlx_h2o
