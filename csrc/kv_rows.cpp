@@ -16,6 +16,30 @@ namespace mlx_h2o {
 
 namespace {
 
+/** f(T{}) for the C++ type T of a float32 / float16 / bfloat16 dtype (the ops check it is one). */
+template <typename F>
+void with_float_type(mx::Dtype t, F&& f) {
+  if (t == mx::float32) {
+    f(float{});
+  } else if (t == mx::float16) {
+    f(mx::float16_t{});
+  } else {
+    f(mx::bfloat16_t{});
+  }
+}
+
+/** A (D, D) float32 rotation for rows of D values, or a ValueError naming both shapes. */
+void check_rotation(const mx::array& rotation, int D, const mx::array& x) {
+  if (rotation.dtype() != mx::float32 || rotation.shape() != mx::Shape{D, D})
+    fail("rotation must be a float32 (" + std::to_string(D) + ", " + std::to_string(D) + ") array for x " +
+         shape_str(x.shape()) + ", got shape " + shape_str(rotation.shape()));
+}
+
+/** The stock-ops definition of a rotation: x @ rotation in float32, then `dtype`. */
+mx::array rotated(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::Stream s) {
+  return mx::astype(mx::matmul(mx::astype(x, mx::float32, s), rotation, s), dtype, s);
+}
+
 /** acc[j] = sum_i x[i] * rotation[i][j] in float64, for one row x of D values. */
 template <typename T>
 void rotate_row(const T* x, const float* rotation, int64_t D, double* acc) {
@@ -119,10 +143,7 @@ void quantize_rows(const RowsProblem& p, const T* x, const float* rotation, void
 mx::array rotate_rows(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::StreamOrDevice s) {
   if (x.ndim() < 1 || !is_float_dtype(x.dtype())) fail("x must be a float32, float16 or bfloat16 array (..., D)");
   if (!is_float_dtype(dtype)) fail("dtype must be float32, float16 or bfloat16");
-  const int D = x.shape(-1);
-  if (rotation.dtype() != mx::float32 || rotation.shape() != mx::Shape{D, D})
-    fail("rotation must be a float32 (" + std::to_string(D) + ", " + std::to_string(D) + ") array for x " +
-         shape_str(x.shape()) + ", got shape " + shape_str(rotation.shape()));
+  check_rotation(rotation, x.shape(-1), x);
   auto stream = mx::to_stream(s);
   auto p = std::make_shared<RotateRows>(stream, dtype);
   if (stream.device != mx::Device::cpu) return p->composed({x, rotation})[0];
@@ -136,22 +157,11 @@ void RotateRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   const int64_t D = in[0].shape(-1), rows = D == 0 ? 0 : static_cast<int64_t>(in[0].size()) / D;
   enc.dispatch([x = in[0].data<void>(), xt = in[0].dtype(), r = in[1].data<float>(), o = out.data<void>(),
                 ot = out.dtype(), rows, D]() {
-    auto run = [&](auto* xs) {
-      if (ot == mx::float32) {
-        rotate_rows_cpu(xs, r, static_cast<float*>(o), rows, D);
-      } else if (ot == mx::float16) {
-        rotate_rows_cpu(xs, r, static_cast<mx::float16_t*>(o), rows, D);
-      } else {
-        rotate_rows_cpu(xs, r, static_cast<mx::bfloat16_t*>(o), rows, D);
-      }
-    };
-    if (xt == mx::float32) {
-      run(static_cast<const float*>(x));
-    } else if (xt == mx::float16) {
-      run(static_cast<const mx::float16_t*>(x));
-    } else {
-      run(static_cast<const mx::bfloat16_t*>(x));
-    }
+    with_float_type(xt, [&](auto xe) {
+      with_float_type(ot, [&](auto oe) {
+        rotate_rows_cpu(static_cast<const decltype(xe)*>(x), r, static_cast<decltype(oe)*>(o), rows, D);
+      });
+    });
   });
 }
 
@@ -161,7 +171,7 @@ void RotateRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&
 }
 
 std::vector<mx::array> RotateRows::composed(const std::vector<mx::array>& inputs) {
-  return {mx::astype(mx::matmul(mx::astype(inputs[0], mx::float32, stream()), inputs[1], stream()), dtype_, stream())};
+  return {rotated(inputs[0], inputs[1], dtype_, stream())};
 }
 
 bool RotateRows::is_equivalent(const mx::Primitive& other) const {
@@ -194,9 +204,7 @@ std::vector<mx::array> quantize_rows_into(const mx::array& packed, const mx::arr
   if (start < 0 || start + n > C)
     fail("rows [" + std::to_string(start) + ", " + std::to_string(start + n) + ") are outside the buffers' " +
          std::to_string(C) + " rows");
-  if (rotation && (rotation->dtype() != mx::float32 || rotation->shape() != mx::Shape{D, D}))
-    fail("rotation must be a float32 (" + std::to_string(D) + ", " + std::to_string(D) + ") array, got shape " +
-         shape_str(rotation->shape()));
+  if (rotation) check_rotation(*rotation, D, x);
   auto stream = mx::to_stream(s);
   std::vector<mx::array> out;
   const mx::array* buffers[3] = {&packed, &scales, &biases};
@@ -241,13 +249,7 @@ void QuantizeRowsInto::eval_cpu(const std::vector<mx::array>& inputs, std::vecto
   enc.dispatch([p, fresh, dtype = x.dtype(), xs = x.data<void>(), rotation = rotated_ ? in[2].data<float>() : nullptr,
                 src = in[0].data<void>(), dst = out.data<void>(), bytes = out.nbytes()]() {
     if (fresh) std::memcpy(dst, src, bytes);
-    if (dtype == mx::float32) {
-      quantize_rows<float>(p, static_cast<const float*>(xs), rotation, dst);
-    } else if (dtype == mx::float16) {
-      quantize_rows<mx::float16_t>(p, static_cast<const mx::float16_t*>(xs), rotation, dst);
-    } else {
-      quantize_rows<mx::bfloat16_t>(p, static_cast<const mx::bfloat16_t*>(xs), rotation, dst);
-    }
+    with_float_type(dtype, [&](auto e) { quantize_rows(p, static_cast<const decltype(e)*>(xs), rotation, dst); });
   });
 }
 
@@ -258,8 +260,7 @@ void QuantizeRowsInto::eval_gpu(const std::vector<mx::array>&, std::vector<mx::a
 
 std::vector<mx::array> QuantizeRowsInto::composed(const std::vector<mx::array>& inputs) {
   const auto& x = inputs[1];
-  auto y = x;
-  if (rotated_) y = mx::astype(mx::matmul(mx::astype(x, mx::float32, stream()), inputs[2], stream()), x.dtype(), stream());
+  const auto y = rotated_ ? rotated(x, inputs[2], x.dtype(), stream()) : x;
   auto rows = mx::quantize(y, group_size_, bits_, "affine", std::nullopt, stream());
   mx::Shape start(4, 0), stop = inputs[0].shape();
   start[2] = start_;
