@@ -76,6 +76,7 @@ CONFIGS = [
     (dict(head_dim=64), dict(evicted_bits="2", score="cumulative")),
     (dict(head_dim=64), dict(kv_bits="8", evict_every=5)),
     (dict(head_dim=64), dict(kv_bits="4", rotate=True, split="balanced", select="layer")),
+    (dict(head_dim=64), dict(kv_recent_rows=8, split="recent")),
     (dict(), dict(merge=0.5)),
 ]
 
@@ -96,6 +97,8 @@ def test_footprint_never_exceeds_the_byte_budget(overrides, options, budget):
     assert c.offset == sum(CHUNKS) and (c.evictions > 0 or c.budget.max_kv_size >= sum(CHUNKS))
     if "kv_bits" not in options:
         assert c.config.storage.kv_bits == ("4/8" if overrides else None) and c.config.storage.rotate == bool(overrides)
+        assert c.config.storage.kv_recent_rows == options.get("kv_recent_rows", 64 if overrides else None)
+    assert c.config.budget.split == options.get("split", "balanced" if overrides else "heavy")  # the rule's unless given
 
 
 def test_budget_resolves_the_largest_m_that_fits():

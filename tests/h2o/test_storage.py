@@ -38,10 +38,21 @@ def test_low_bit_rows_are_the_kept_positions_quantized(kv_bits, rotate):
     """Evicting packed rows moves them untouched: after many evictions, layer 0's stored rows are
     exactly quantize(rotate(K)) at the kept positions, per tier (older rows: heavy bits; the recent
     window: recent bits; a row demoted from 8 to 4 bits is quantized from its 8-bit value)."""
+    _check_kept_rows(kv_bits, rotate)
+
+
+@pytest.mark.parametrize("kv_recent_rows", [1, 4, 9])
+def test_a_short_recent_tier_keeps_the_same_positions_quantized(kv_recent_rows):
+    """kv_recent_rows: only the newest rows stay 8-bit, the rest of the recent window (and every heavy
+    hitter) is 4-bit, each row exactly as the tiers quantize it."""
+    _check_kept_rows("4/8", True, kv_recent_rows=kv_recent_rows)
+
+
+def _check_kept_rows(kv_bits, rotate, **options):
     model = tiny_model("llama", head_dim=32)
     x = tokens(120, seed=11, batch=2)
     M, group = 24, 32
-    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=3, kv_bits=kv_bits, rotate=rotate)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=M, evict_every=3, kv_bits=kv_bits, rotate=rotate, **options)
     step_logits(model, x, cache)
     c = cache[0]
     assert c.evictions > 10 and c.offset == 120
@@ -57,7 +68,9 @@ def test_low_bit_rows_are_the_kept_positions_quantized(kv_bits, rotate):
         parts = [(store, pos, None)]
     else:
         parts = [(store.low, pos[..., : store.low.length], None), (store.high, pos[..., store.low.length :], None)]
-        assert store.high.length == c.budget.recent  # the recent window stays in the high tier
+        # the recent window (or its newest kv_recent_rows) stays high, with up to `slack` rows more before they demote
+        assert store.window == c.config.storage.high_rows(c.budget.recent)
+        assert store.window <= store.high.length <= store.window + store.slack
     for part, p, _ in parts:
         bits = part.k.bits
         for row_store, X in ((part.k, K), (part.v, V)):
@@ -122,6 +135,8 @@ def test_low_bit_caches_save_load_and_trim(tmp_path):
         (dict(kv_group_size=48), r"kv_group_size must be one of 32, 64, 128"),
         (dict(rotate="yes"), "rotate must be True or False"),
         (dict(rotate=True, rotate_lam="calibrated"), r"rotate_lam must be one of 'none', 'prefill'"),
+        (dict(kv_bits="4", kv_recent_rows=8), r"kv_recent_rows needs two formats in kv_bits \(OLDER/RECENT, e.g. 4/8\), got kv_bits='4'"),
+        (dict(kv_bits="4/8", kv_recent_rows=0), r"kv_recent_rows must be an integer >= 1"),
     ],
 )
 def test_bad_low_bit_options_raise_value_error(options, match):

@@ -36,7 +36,10 @@ RECALL_SUITE_EPILOG = """caches at every budget B (a fraction of the full cache'
   h2o            h2o max_kv_bytes=B (the byte rule)
   h2o + archive  h2o max_kv_bytes=B,evicted_bits=2,score=cumulative
 every prompt is fed token by token (the perplexity protocol); each cell is the share of the full cache's success that survives.
-example: mlx-h2o recall-suite --context 2048 4096 --budget 0.1 0.2 --doc-set 1 --json suite.json"""
+--cache NAME=SPEC (repeatable) replaces these with your own, {B} standing for the budget's bytes and {M} for the fp window's entries.
+example: mlx-h2o recall-suite --context 2048 4096 --budget 0.1 0.2 --doc-set 1 --json suite.json
+         mlx-h2o recall-suite --probes needle passkey --cache "8-bit=h2o:max_kv_bytes={B},split=window,kv_bits=8" --cache "h2o=h2o:max_kv_bytes={B}"
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--span-trials", type=_positive_int, default=4, help="span probe sequences, each from another document")
     u.add_argument("--doc-set", type=int, default=1, help="document set (0 tunes the defaults; 1 and 2 are held out; default 1)")
     u.add_argument("--policy-batch", type=_positive_int, default=None, help="caches decoded together (default: all)")
+    u.add_argument("--cache", action="append", default=None, metavar="NAME=SPEC",
+                   help="a cache to compare instead of the default ones (repeatable): a policy spec where {B} is the budget in bytes, "
+                        "{M} the fp window's entries")
     u.set_defaults(func=cmd_recall_suite)
 
     d = sub.add_parser("demo", help="the main job: full vs windows vs h2o at equal bytes on a long context (table, plot, verdicts)",

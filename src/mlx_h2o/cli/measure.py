@@ -102,9 +102,11 @@ def cmd_recall(args) -> int:
 def cmd_recall_suite(args) -> int:
     from ..evaluation import load_corpus
     from ..evaluation.corpus import document_set
-    from ..evaluation.suite import check_fractions, recall_suite, suite_markdown
+    from ..evaluation.suite import CACHES, check_fractions, check_probes, parse_caches, recall_suite, suite_markdown
 
     check_fractions(args.budget)
+    caches = parse_caches(args.cache) if args.cache else CACHES
+    check_probes(args.probes, caches)
     corpus = load_corpus(args.text_files)
     model, tokenizer = _load(args)
     docs = document_set(tokenizer, corpus, args.doc_set, seed=args.seed)
@@ -117,7 +119,8 @@ def cmd_recall_suite(args) -> int:
             _write_json(args.json, {**payload, "suite": rows})
 
     rows = recall_suite(model, tokenizer, docs, args.context, args.budget, probes=args.probes, per_depth=args.per_depth,
-                        span_trials=args.span_trials, policy_batch_size=args.policy_batch, progress=not args.quiet, on_rows=save)
+                        span_trials=args.span_trials, policy_batch_size=args.policy_batch, progress=not args.quiet, on_rows=save,
+                        caches=caches)
     print(suite_markdown(rows))
     return 0
 

@@ -11,7 +11,8 @@ The caches at a budget of B bytes per sequence (`equal_byte_specs`, B = fraction
 bytes at the context):
 - `window fp`: mlx-lm's RotatingKVCache of B / (full bytes per token) entries;
 - `window 8-bit`: a sliding window with sinks at 8 bits (h2o `split=window,kv_bits=8`) of B bytes;
-- `h2o`: `max_kv_bytes=B` (the byte rule: 4/8-bit rotated, no archive);
+- `h2o`: `max_kv_bytes=B` (the byte rule, caches/h2o/bytes.py: 4-bit rotated rows, the newest 64
+  at 8 bits, a quarter of M for heavy hitters, no archive);
 - `h2o + archive`: `max_kv_bytes=B` with a 2-bit archive of evicted entries (`evicted_bits=2`,
   cumulative score: the best recall measured on set 0, docs/h2o.md).
 """
@@ -34,6 +35,34 @@ CACHES = (
     ("h2o", "h2o:max_kv_bytes={B}"),
     ("h2o + archive", "h2o:max_kv_bytes={B},evicted_bits=2,score=cumulative"),
 )
+
+
+def parse_caches(items: Sequence[str]) -> tuple:
+    """`NAME=SPEC` items (the CLI's --cache) as (name, template) pairs like CACHES, each template
+    checked by parsing it at a budget of 1 MB (a bad policy or option is a ValueError before a
+    model loads)."""
+    caches = []
+    for item in items:
+        name, sep, template = (part.strip() for part in item.partition("="))
+        if not sep or not name or not template:
+            raise ValueError(f"--cache takes NAME=SPEC (e.g. 'h2o=h2o:max_kv_bytes={{B}}'), got {item!r}")
+        try:
+            parse_specs([template.format(B=10**6, M=64)])
+        except (KeyError, IndexError) as e:
+            raise ValueError(f"--cache {item!r}: only {{B}} (bytes) and {{M}} (entries) can be filled in, not {e}") from None
+        caches.append((name, template))
+    if len({n for n, _ in caches}) < len(caches):
+        raise ValueError(f"--cache names must differ, got {[n for n, _ in caches]}")
+    return tuple(caches)
+
+
+def check_probes(probes: Sequence[str], caches=CACHES) -> None:
+    unknown = set(probes) - {"needle", "passkey", "span"}
+    if unknown:
+        raise ValueError(f"probes must be among needle, passkey, span; got {sorted(unknown)}")
+    if "span" in probes and "window fp" not in {name for name, _ in caches}:
+        raise ValueError("the span probe scores against the fp window of the same bytes: add a cache named 'window fp' "
+                         "(e.g. 'window fp=rotating:max_kv_size={M}') or leave span out of --probes")
 
 
 def full_bytes_per_token(model) -> int:
@@ -69,16 +98,15 @@ def equal_byte_specs(model, context: int, fractions: Sequence[float], caches=CAC
 
 def recall_suite(model, tokenizer, docs, contexts: Sequence[int], fractions: Sequence[float], probes=("needle", "passkey", "span"),
                  per_depth: int = 1, span_trials: int = 4, policy_batch_size: Optional[int] = None, progress: bool = True,
-                 on_rows=None) -> List[dict]:
+                 on_rows=None, caches=CACHES) -> List[dict]:
     """Rows (one per context, probe and cache) with `survived`: the share of the full cache's success
     this cache keeps (retrieval: hits among the full cache's hits; span: `recovered`). `docs` is one
-    document set (corpus.document_set); `on_rows(rows)` is called after every probe (partial results)."""
-    unknown = set(probes) - {"needle", "passkey", "span"}
-    if unknown:
-        raise ValueError(f"probes must be among needle, passkey, span; got {sorted(unknown)}")
+    document set (corpus.document_set); `on_rows(rows)` is called after every probe (partial results);
+    `caches` as CACHES (parse_caches)."""
+    check_probes(probes, caches)
     rows = []
     for T in contexts:
-        specs = equal_byte_specs(model, T, fractions)
+        specs = equal_byte_specs(model, T, fractions, caches)
         meta = {s.label: {"cache": s.name, "fraction": s.fraction} for s in specs}
         found = [p for p in probes if p != "span"]
         if found:

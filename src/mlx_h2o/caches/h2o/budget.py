@@ -16,6 +16,7 @@ SPLITS = ("heavy", "balanced", "recent", "window", "explicit")
 # `window` keeps no heavy hitters: a sliding window with sinks, in the h2o cache's storage (packed,
 # rotated, at a byte budget), the baseline an equal-bytes comparison needs.
 SPLIT_HEAVY_FRACTION = {"heavy": 1 / 2, "balanced": 1 / 4, "recent": 1 / 8, "window": 0}
+DEFAULT_SPLIT = "heavy"  # (a byte budget's comes from the byte rule, bytes.py)
 # Default evict_every = M // 16: a compaction (~0.2 ms a layer on the CPU, most of it fixed cost) once per
 # M/16 tokens instead of every token, for ~3 % fewer entries held on average (docs/h2o.md, "eviction").
 DEFAULT_EVICT_DIVISOR = 16
@@ -82,9 +83,10 @@ class Budget:
 
     max_kv_size: Optional[int] = option(Int(1), REQUIRED, "KV budget M per kv head: sink + heavy + recent entries",
                                         instead=("max_kv_bytes",))
-    split: str = option(Choice(SPLITS), "heavy",
-                        "budget split: `heavy` (heavy hitters M/2), `balanced` (M/4), `recent` (M/8), `window` (none: a sliding window "
-                        "with sinks), `explicit` (give heavy and recent)")
+    split: Optional[str] = option(
+        Choice(SPLITS), None,
+        "budget split: `heavy` (heavy hitters M/2), `balanced` (M/4), `recent` (M/8), `window` (none: a sliding window "
+        "with sinks), `explicit` (give heavy and recent); unset: `heavy`, or with max_kv_bytes the byte rule's")
     sink: int = option(Int(0), 4, "first tokens always kept")
     heavy: Optional[int] = option(Int(0), None, "heavy-hitter entries (with split=explicit)")
     recent: Optional[int] = option(Int(0), None, "recent-window entries (with split=explicit)")
@@ -116,6 +118,7 @@ class Budget:
             _check_byte_budget(split, pin, rest)
             return cls(max_kv_size=None, split=split, sink=sink, heavy=heavy, recent=recent, evict_every=evict_every, pin=pin or (), **rest)
         sink = check_int("sink", sink, 0, M - 1)
+        split = split or DEFAULT_SPLIT
         if split == "explicit":
             if heavy is None or recent is None:
                 raise ValueError("split='explicit' needs heavy and recent (sink defaults to 4), with sink + heavy + recent = max_kv_size")

@@ -3,17 +3,21 @@ sequence, and the M that fits them.
 
 The rule (docs/h2o.md, "Byte budget") is a table keyed by the budget in tokens of the full cache,
 t = bytes per sequence / the full cache's bytes per token (all h2o layers, K and V, the model's
-dtype), chosen on the tuning document set 0 only (docs/results/h2o-methods): at both budgets
-measured there (t = 128 and 256) heavy hitters at 4 bits with the recent window at 8, rotated, and
-no archive have the lowest perplexity of every cache of the same bytes. Packed rows need a head
-dimension the group size divides; otherwise the rows stay in the model's dtype.
+dtype), chosen on the tuning document set 0 only (docs/results/h2o-methods): at t = 128 and 256,
+heavy hitters at 4 bits with the recent window at 8, rotated, and no archive had the lowest
+perplexity of every cache of the same bytes; at t = 205 and 410 (10 % and 20 % of 2048 tokens),
+the same with only the newest 64 rows at 8 bits and a quarter of M for heavy hitters
+(`kv_recent_rows=64, split=balanced`) has the lowest perplexity at 205 and the best needle and
+passkey recall at both. Packed rows need a head dimension the group size divides; otherwise the
+rows stay in the model's dtype.
 
 M is then the largest whose worst case fits the bytes (`layer_bound`): every row at its stored
 bits, the per-entry columns, the low tier's reservation and the high tier's window plus one step,
 the archive with room for one eviction. The cache never holds more than M entries at any moment,
 because a multi-token call is appended and attended in steps of `evict_every` tokens (cache.py), so
 no prefill chunk size needs assuming. Options the user gives win over the table: kv_bits (with
-rotate and kv_group_size as given) and evicted_bits / evicted_share; M is always the rule's.
+rotate, kv_recent_rows and kv_group_size as given), split, and evicted_bits / evicted_share; M is
+always the rule's.
 """
 
 from dataclasses import dataclass
@@ -33,13 +37,17 @@ class ByteRule:
     ----------
     min_tokens:
         the smallest budget, in tokens of the full cache, the row applies to.
-    kv_bits, rotate, evicted_bits, evicted_share:
+    kv_bits, rotate, kv_recent_rows, evicted_bits, evicted_share:
         the storage and the archive (keeper.py, storage.py) the row picks.
+    split:
+        how M divides into heavy hitters and the recent window (budget.py).
     """
 
     min_tokens: float
     kv_bits: Optional[str]
     rotate: bool
+    kv_recent_rows: Optional[int] = None
+    split: str = "heavy"
     evicted_bits: Optional[str] = None
     evicted_share: float = 0.5
 
@@ -52,8 +60,15 @@ class ByteRule:
 # 256 tokens (ppl_bytes_set0.json, ppl_bytes8_set0.json, ppl_bytes_combo_set0.json, ppl_set0.json):
 # 4/8 rotated +8.13 % / +1.15 %; 4-bit rotated h2o +10.27 % / +6.09 %; 8-bit window +11.59 % / +2.96 %;
 # 4/8 rotated + 2-bit archive +15.48 % / +5.59 %; fp32 h2o (t = 128 / 256) +40.02 % / +20.79 %.
+#
+# At 10 % and 20 % of the full cache's bytes at 2048 tokens (t = 205 / 410; ppl_bytes_recent_set0.json,
+# recall_bytes_recent_set0.json): keeping only the newest 64 rows at 8 bits buys ~23 % more entries
+# (M 719 -> 884 at t = 205), and a quarter of M for heavy hitters (split=balanced) keeps a longer
+# recent window: ΔPPL +3.85 % -> +1.76 % at t = 205, +0.30 % -> +0.50 % at t = 410; needle / passkey
+# found (share of the full cache's hits) 0 / 20 % -> 50 / 20 % at t = 205, 50 / 60 % -> 100 / 100 %
+# at t = 410. One row for every t: it wins both at t = 205 and trades 0.2 points of ΔPPL for recall at 410.
 BYTE_RULES = (
-    ByteRule(0, "4/8", True),
+    ByteRule(0, "4/8", True, kv_recent_rows=64, split="balanced"),
     ByteRule(0, None, False),  # head dims kv_group_size does not divide: the model's dtype
 )
 
@@ -77,7 +92,7 @@ def layer_bound(config, heads: int, head_dims, itemsize: int) -> int:
     if role_bits(older) == role_bits(recent):
         rows = M * row_bytes(older, *dims)
     else:  # low tier reserves M - window (WindowTieredKV); the high tier holds the window + one step before demoting
-        window = min(config.budget.recent, M)
+        window = min(config.storage.high_rows(config.budget.recent), M)
         rows = (M - window) * row_bytes(older, *dims) + min(window + step, M) * row_bytes(recent, *dims)
     columns = M * (BOOKKEEPING_BYTES + (4 if config.keeper.merge is not None else 0))  # + float32 multiplicity
     archive = (archived + step) * (row_bytes(config.keeper.archive_format, *dims) + BOOKKEEPING_BYTES) if archived else 0
@@ -101,6 +116,10 @@ def resolve(config, layer_bytes: int, heads: int, head_dims, itemsize: int, tota
     rule = rule_for(layer_bytes / full_token_bytes(heads, head_dims, itemsize), head_dims, options["kv_group_size"])
     if options["kv_bits"] is None:
         options.update(kv_bits=rule.kv_bits, rotate=rule.rotate)
+        if options["kv_recent_rows"] is None:
+            options.update(kv_recent_rows=rule.kv_recent_rows)
+    if options["split"] is None:
+        options.update(split=rule.split)
     if options["evicted_bits"] is None:
         options.update(evicted_bits=rule.evicted_bits, evicted_share=rule.evicted_share)
 

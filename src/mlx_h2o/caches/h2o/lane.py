@@ -170,12 +170,12 @@ def make_lanes(config, seed: int, B: int, H: int, budget=None):
     # Dead rows (a shared prefix kept in place) are skipped by attention and the layer-wide plan; the
     # keepers that rewrite or move rows and the per-head selection would read them as entries.
     masks_shared = fmt is None and not merges and not adaptive
-    window, budget = config.budget.recent, budget or config.budget
+    window, budget = config.storage.high_rows(config.budget.recent), budget or config.budget
     # Two tiers: the high one holds the window plus up to one eviction step, as the byte bound counts
     # them (bytes.py), where the low tier then never holds more than M - window rows: the budget in
     # force protects the storage's window (an archive's share can cut its recent part below it), and
     # its M is fixed (a dispersion budget changes it after the lanes are made).
-    fixed = budget.layer_budget != "dispersion" and budget.recent == window
+    fixed = budget.layer_budget != "dispersion" and budget.recent >= window
     slack = max(0, min(window + budget.evict_every, budget.max_kv_size) - window) if fixed else 0
     return [Lane(entry_store(config.storage.make(window, seed, slack), merges, masks_shared),
                  None if fmt is None else archive_store(fmt, config.storage.kv_group_size), *w) for w in where]

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ...options import Choice, Flag, option
+from ...options import Choice, Flag, Int, option
 from ...storage import DEFAULT_LAMBDA, LAMBDA_MODES, KVStorage, RotatedKV, TieredKV, check_group_size, make_kv_storage, role_bits
 
 # Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype;
@@ -64,7 +64,8 @@ class WindowTieredKV(TieredKV):
         super().demote(keep_high, None if capacity is None else max(capacity - self.window, 1))
 
     def gather(self, idx, keep, protected_tail=0, capacity=0):
-        self.demote(protected_tail, capacity)
+        # (a recent window longer than the tier's: its older rows are demoted, kept in the low tier)
+        self.demote(min(protected_tail, self.window), capacity)
         low_keep = keep - self.high.length
         self.low.gather(idx[..., :low_keep], low_keep, capacity=max(capacity - self.window, 0))
 
@@ -77,6 +78,9 @@ class Storage:
     ----------
     kv_bits:
         packed bits of the rows, or OLDER/RECENT tiers (the recent window at its own bits).
+    kv_recent_rows:
+        with OLDER/RECENT kv_bits, how many of the newest rows are kept in the RECENT format (unset:
+        the whole recent window); the rest of the recent window is stored as the older rows are.
     kv_group_size:
         values sharing one scale and bias when packed.
     rotate, rotate_lam:
@@ -86,6 +90,8 @@ class Storage:
     kv_bits: Optional[str] = option(
         Choice(KV_BITS, KV_BITS_ALIASES), None,
         "store K/V packed: 8, 4, `k8v4` (8-bit keys, 4-bit values), or OLDER/RECENT formats (`fp` = model dtype; `mixed` = 4/8); unset: model dtype")
+    kv_recent_rows: Optional[int] = option(
+        Int(1), None, "with OLDER/RECENT kv_bits: the newest rows kept in the RECENT format (unset: the whole recent window)")
     kv_group_size: int = option(Choice(KV_GROUP_SIZES), 32, "values sharing one scale and bias when packed")
     rotate: bool = option(Flag(), False, "rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality")
     rotate_lam: str = option(Choice(LAMBDA_MODES, ((None, "none"),)), DEFAULT_LAMBDA, "per-coordinate scale of the rotation")
@@ -94,6 +100,16 @@ class Storage:
     def single_format(self) -> bool:
         """One format for every row (no older/recent tiers)."""
         return self.kv_bits is None or "/" not in self.kv_bits
+
+    def check(self, config) -> None:
+        if self.kv_recent_rows is not None and self.single_format:
+            raise ValueError(f"kv_recent_rows needs two formats in kv_bits (OLDER/RECENT, e.g. 4/8), got kv_bits={self.kv_bits!r}")
+
+    def high_rows(self, recent: int) -> int:
+        """The newest rows the RECENT format holds for a budget whose recent window is `recent`: the
+        window, or fewer (kv_recent_rows). Never more: rows past the window can be evicted, and the
+        RECENT tier keeps its rows in order."""
+        return recent if self.kv_recent_rows is None else min(recent, self.kv_recent_rows)
 
     def tiers(self) -> Tuple[Optional[int], Optional[int]]:
         """(format of the older rows, format of the recent window); None = the model's dtype."""
