@@ -54,7 +54,8 @@ def test_options_as_mlx_lm_lists_them():
     assert [o.name for o in mlx_lm_plugin.h2o.options] == [o.name for o in mlx_h2o.POLICIES["h2o"].options]
     assert options["max_kv_size"].type("512") == 512 and options["max_kv_size"].default == "required"
     assert "integer" in options["max_kv_size"].type.__name__
-    assert options["split"].default == "heavy" and "balanced" in options["split"].choices
+    # split is unset by default: heavy under max_kv_size, the byte rule's under max_kv_bytes
+    assert options["split"].default is None and "balanced" in options["split"].choices and options["sink"].default == 4
     assert options["max_kv_size"].choices is None
     with pytest.raises(ValueError, match="max_kv_size"):
         options["max_kv_size"].type("lots")
