@@ -1,8 +1,9 @@
 """mlx-h2o vs llama.cpp (llama-cpp-python) on the same GGUF, prompt and thread count: prefill and
-decode tok/s and peak RSS, at each context, for mlx-h2o's full cache and h2o(M=--budget, default 256); one
-ratio per row.
+decode tok/s and peak RSS, at each context, for mlx-h2o's caches (--caches: policy specs, default its full
+cache and h2o with M = --budget, default 512); one ratio per row.
 
-    python benchmarks/bench_peer.py [--quick] [--contexts 512 2048 8192] [--budget 512] [--gen 64] [--rounds 2]
+    python benchmarks/bench_peer.py [--quick] [--contexts 512 2048 8192] [--caches full h2o full:kv_dtype=float16]
+        [--budget 512] [--gen 64] [--rounds 2]
         [--threads 2] [--peer-python build/venv-llamacpp/bin/python] [--ours stock=PYTHON fork=build/venv-fork/bin/python]
         [--max-load 1.0] [--allow-load]
 
@@ -82,15 +83,18 @@ def worker_peer(model_path, tokens, gen, threads):
     return dict(prefill_s=t1 - t0, decode_s=t2 - t1, tokens=out)
 
 
-def worker_ours(tokens, gen, cache_name, budget):
+def worker_ours(tokens, gen, spec, budget):
     import mlx_h2o  # isort: skip
 
     mlx_h2o.use_openblas()  # before mlx.core loads
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
+    from mlx_h2o.evaluation.runner import parse_specs
+
     model, _ = mlx_h2o.load()  # the policies' caches attend with the fused kernel by default
-    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=budget) if cache_name == "h2o" else mlx_h2o.make_cache(model, "full")
+    (policy,) = parse_specs([spec], [budget])
+    cache = mlx_h2o.make_cache(model, policy.policy, **policy.options)
     out = []
     t0 = time.perf_counter()
     steps = generate_step(mx.array(tokens), model, max_tokens=gen, sampler=lambda lp: mx.argmax(lp, axis=-1),
@@ -108,7 +112,7 @@ def run_worker(args):
     if args.worker == "peer":
         r = worker_peer(args.model_path, tokens, args.gen, args.threads)
     else:
-        r = worker_ours(tokens, args.gen, args.worker.split(":")[-1], args.budget)
+        r = worker_ours(tokens, args.gen, args.worker.split(":", 2)[2], args.budget)
     r["peak_rss_mib"] = peak_rss_mib()
     print(json.dumps(r))
 
@@ -159,7 +163,7 @@ def measure(engine, tokens, args):
         python = args.peer_python
     else:
         python = args.ours[engine.split(":")[1]]
-        if python != sys.executable:
+        if os.path.abspath(python) != sys.executable:  # another venv: its own installed mlx_h2o
             env.pop("PYTHONPATH", None)
     cmd = [python, os.path.abspath(__file__), "--worker", engine, "--gen", str(args.gen), "--threads", str(args.threads),
            "--model-path", args.model_path, "--budget", str(args.budget)]
@@ -178,7 +182,9 @@ def main():
     ap.add_argument("--gen", type=int, default=64, help="tokens generated after the prompt")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--caches", nargs="+", default=["full", "h2o"], choices=["full", "h2o"])
+    ap.add_argument("--caches", nargs="+", default=["full", "h2o"], metavar="SPEC",
+                    help="mlx-h2o's caches, as policy specs (NAME[:KEY=VALUE,...]; a bounded one without a budget "
+                         "gets max_kv_size=--budget), e.g. full:kv_dtype=float16")
     ap.add_argument("--budget", type=int, default=512, help="max_kv_size M of mlx-h2o's h2o cache")
     ap.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON, help="a python with llama-cpp-python installed")
     ap.add_argument("--ours", nargs="+", default=[f"stock={sys.executable}"], metavar="NAME=PYTHON",
@@ -192,6 +198,12 @@ def main():
         return run_worker(args)
     if args.quick:
         args.contexts, args.gen, args.rounds = [512], 32, 1
+    try:
+        from mlx_h2o.evaluation.runner import parse_specs
+
+        labels = {spec: parse_specs([spec], [args.budget])[0].label for spec in args.caches}
+    except ValueError as e:
+        ap.error(f"--caches: {e}")
     if any("=" not in o for o in args.ours):
         ap.error("--ours takes NAME=PYTHON pairs, e.g. fork=build/venv-fork/bin/python")
     args.ours = dict(o.split("=", 1) for o in args.ours)
@@ -217,7 +229,7 @@ def main():
                 worst = max(worst[0], busy), max(worst[1], load)
                 r = measure(engine, tokens, args)
                 runs.setdefault((ctx, engine), []).append(r)
-                print(f"ctx {ctx} round {rnd} {engine:16s} prefill {r['prefill_tok_s']:7.1f} tok/s  decode "
+                print(f"ctx {ctx} round {rnd} {engine:34s} prefill {r['prefill_tok_s']:7.1f} tok/s  decode "
                       f"{r['decode_tok_s']:6.1f} tok/s  peak RSS {r['peak_rss_mib']:6.0f} MiB  (before it: {busy:.2f} "
                       f"cores busy, load {load:.2f})", flush=True)
     print(f"uptime after: {os.popen('uptime').read().strip()}")
@@ -234,7 +246,7 @@ def main():
         for engine in engines:
             m = med[(ctx, engine)]
             name, path, cache = ("llama.cpp", "", "full") if engine == "peer" else (
-                "mlx-h2o", engine.split(":")[1], f"h2o(M={args.budget})" if engine.endswith("h2o") else "full")
+                "mlx-h2o", engine.split(":")[1], labels[engine.split(":", 2)[2]])
             decode = [r["decode_tok_s"] for r in runs[(ctx, engine)]]
             print(f"| {ctx} | {name} | {path} | {cache} | {m['prefill_tok_s']:.1f} | {m['decode_tok_s']:.1f} | "
                   f"{min(decode):.1f}-{max(decode):.1f} | {m['peak_rss_mib']:.0f} | "

@@ -2,10 +2,12 @@
 and everything else MLX evaluates (norms, RoPE, residual adds, cache writes, sampling, op dispatch).
 
     python benchmarks/bench_step_overhead.py [--context 512] [--steps 30] [--modes quantized quantized:stock float32:stock]
+        [--caches full full:kv_dtype=float16]
 
 A mode is a weight format of the embedded model (quantized, float32, ...), with ":stock" for MLX's own
 layers (mlx_h2o.load(cpu_kernels=False): MLX's quantized_matmul, rms_norm and rope fallbacks)
-instead of the extension's kernels. For each mode: prefill --context tokens into a full cache (fused attention on), then run
+instead of the extension's kernels. For each mode and each of --caches (policy specs, default the full
+cache): prefill --context tokens into the cache (fused attention on), then run
 greedy decode steps in four variants, alternating step by step on the same model and cache: as is;
 with every linear layer (incl. the lm_head) replaced by a zeros array of its output shape; with the
 attention replaced likewise; with both. The differences are each part's in-place cost (kernel + its
@@ -32,6 +34,7 @@ import numpy as np
 from mlx_h2o import cpu_layers, hook
 from mlx_h2o.evaluation import load_corpus, token_samples
 from mlx_h2o.evaluation.report import markdown_table
+from mlx_h2o.evaluation.runner import parse_specs
 
 # Every class whose own method computes a linear layer: MLX's, and the kernel subclasses that override it.
 LINEARS = [(nn.Linear, "__call__"), (nn.QuantizedLinear, "__call__"), (nn.Embedding, "as_linear"),
@@ -86,7 +89,12 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--modes", nargs="+", default=["quantized", "quantized:stock", "float32:stock"])
+    ap.add_argument("--caches", nargs="+", default=["full"], metavar="SPEC", help="policy specs, e.g. full:kv_dtype=float16")
     args = ap.parse_args()
+    try:
+        caches = parse_specs(args.caches)
+    except ValueError as e:
+        ap.error(f"--caches: {e}")
     mlx_h2o.use_fast_cpu_attention(True)
     runs = {}
     tokens = None
@@ -97,11 +105,13 @@ def main():
         model, tokenizer = mlx_h2o.load(weights=weights, cpu_kernels=layers != "stock")
         if tokens is None:
             tokens = token_samples(tokenizer, load_corpus(), 1, args.context, seed=1)[0][1]
-        cache = mlx_h2o.make_cache(model, "full")
-        for i in range(0, len(tokens), 512):
-            mx.eval(model(mx.array(tokens[i : i + 512])[None], cache=cache))
-        y = mx.array(tokens[-1:])[None]
-        runs[mode] = dict(model=model, cache=cache, y=y, times={v: ([], []) for v in VARIANTS}, kernels=layers != "stock")
+        for spec in caches:
+            cache = mlx_h2o.make_cache(model, spec.policy, **spec.options)
+            for i in range(0, len(tokens), 512):
+                mx.eval(model(mx.array(tokens[i : i + 512])[None], cache=cache))
+            y = mx.array(tokens[-1:])[None]
+            name = mode if len(caches) == 1 else f"{mode}, {spec.label}"
+            runs[name] = dict(model=model, cache=cache, y=y, times={v: ([], []) for v in VARIANTS}, kernels=layers != "stock")
     for step in range(args.steps + 2):
         for mode, r in runs.items():
             for variant, (no_linears, no_attention) in VARIANTS.items():

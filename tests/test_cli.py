@@ -110,14 +110,14 @@ def test_kv_option_applies_to_every_policy_that_has_it():
 
 @pytest.mark.parametrize("command", MODEL_COMMANDS)
 @pytest.mark.parametrize("policies, options, message", [
-    (["rotating"], ["score=ema"], "option 'score' is not an option of any listed policy (rotating: max_kv_size, keep); "
+    (["rotating"], ["score=ema"], "option 'score' is not an option of any listed policy (rotating: max_kv_size, keep, kv_dtype); "
                                   "`mlx-h2o options NAME` prints a policy's options"),
     (["h2o"], ["bogus=1"], "option 'bogus' is not an option of any listed policy (h2o: max_kv_size, "),
     (["h2o:bogus=1"], [], "unknown option(s) bogus for policy 'h2o'; its options: max_kv_size, "),
     (["h2o"], ["kv_bits=7"], "option kv_bits=7 of policy 'h2o': kv_bits must be one of "),
     (["h2o"], ["sink=-1"], "option sink=-1 of policy 'h2o': sink must be an integer >= 0, got -1"),
-    (["full", "rotating"], ["score=ema"], "option 'score' is not an option of any listed policy (full: no options; "
-                                          "rotating: max_kv_size, keep)"),
+    (["full", "rotating"], ["score=ema"], "option 'score' is not an option of any listed policy (full: kv_dtype; "
+                                          "rotating: max_kv_size, keep, kv_dtype)"),
     (["quantized", "rotated"], ["bits=2"], "option bits=2 of policy 'quantized': bits must be one of 8, 4, got '2'"),
 ])
 def test_bad_kv_options_exit_2_with_the_message(command, policies, options, message, no_model, capsys):
@@ -217,7 +217,7 @@ def test_deprecated_pin_system(capsys):
 
 def test_deprecated_h2o_flag_is_checked_like_kv_option(no_model, capsys):
     assert cli.main(["eval", "--cache", "full", "rotating", "--max-kv-size", "16", "--h2o-score", "ema", "--quiet"]) == 2
-    assert "option 'score' is not an option of any listed policy (full: no options; rotating: max_kv_size, keep)" in capsys.readouterr().err
+    assert "option 'score' is not an option of any listed policy (full: kv_dtype; rotating: max_kv_size, keep, kv_dtype)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", MODEL_COMMANDS)

@@ -20,7 +20,7 @@ BUDGET = 24  # entries kept by bounded policies: well below the tokens fed, so t
 PROMPT, FIRST, SECOND = 40, 12, 12  # tokens: prompt, generated before saving, generated after
 FIXTURES = Path(__file__).parent / "fixtures"
 
-# Storage variants of h2o, beyond its defaults.
+# Storage variants, beyond the policies' defaults.
 VARIANTS = [
     ("h2o", {"kv_bits": 8}),
     ("h2o", {"kv_bits": 4}),
@@ -37,6 +37,8 @@ VARIANTS = [
     ("h2o", {"merge": 0.3, "evict_every": 3}),
     ("h2o", {"evicted_bits": 4, "rotate": True}),
     ("h2o", {"evicted_bits": "k8v4", "kv_bits": 8, "evicted_share": 0.25}),
+    ("full", {"kv_dtype": "float16"}),
+    ("rotating", {"kv_dtype": "bfloat16"}),
 ]
 
 
@@ -46,7 +48,8 @@ def _cases():
         needed = [o.name for o in policy.options if o.required]
         assert set(needed) <= {"max_kv_size"}, f"tell test_policies how to fill {needed} of {name!r}"
         out.append((name, {"max_kv_size": BUDGET} if needed else {}))
-    return out + [(name, {"max_kv_size": BUDGET, **opts}) for name, opts in VARIANTS]
+    sized = lambda name: {"max_kv_size": BUDGET} if mlx_h2o.POLICIES[name].takes("max_kv_size") else {}
+    return out + [(name, {**sized(name), **opts}) for name, opts in VARIANTS]
 
 
 CASES = _cases()

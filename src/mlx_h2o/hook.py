@@ -65,8 +65,10 @@ def fused_attention(queries, keys, values, cache, scale, mask, sinks=None):
 def fused_dense_attention(queries, keys, values, *, scale, mask, sinks=None):
     """The fused kernel over dense K/V, without scores. The fork's MLX runs it as its own SDPA (patch
     0009, which every MLX with the attention ops has): one C++ call, where the op's Python wrapper
-    cost the fork's `--kv-policy full` ~10 % of a batched decode step (docs/mlx-lm.md)."""
-    if _MLX_SDPA_IS_FUSED:
+    cost the fork's `--kv-policy full` ~10 % of a batched decode step (docs/mlx-lm.md). Rows stored
+    in another dtype than the queries (`kv_dtype`) go to the op, which reads them as they are: MLX's
+    SDPA would first cast them to the queries' dtype, a copy of the cache per call."""
+    if _MLX_SDPA_IS_FUSED and keys.dtype == queries.dtype:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     return scaled_dot_product_attention_with_scores(queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks)[0]
 

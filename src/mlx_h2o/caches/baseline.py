@@ -3,6 +3,10 @@
 "full": the model's default cache (`KVCache`, or whatever the model's `make_cache` builds).
 "rotating": `RotatingKVCache(max_kv_size, keep=4)`, the StreamingLLM-style sink + sliding window.
 
+Both store K/V rows in the model's dtype unless `kv_dtype` says otherwise. On the CPU the model
+computes in float32; `kv_dtype=float16` halves the cache, as llama.cpp's default f16 cache does, and
+the fused kernel reads the float16 rows as they are (docs/cpu-decode.md has the measurement).
+
 Their `KVCache` / `RotatingKVCache` layers attend with the same fused CPU kernel as every other
 policy (no opt-in, so that `full` and `h2o` differ by what they keep, not by the kernel): the
 subclasses below add `attend` and nothing else. State and save format stay mlx-lm's; a saved cache
@@ -16,18 +20,36 @@ request's row of one padded array.
 
 import copy
 
+import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
 from .. import hook
+from ..option_kinds import Choice
 from ..options import REQUIRED, Int, Option, Policy
 from . import per_layer_caches, register_policy
 from .base import FusedAttention, fetched_ids, handed_on
 from .shared_rows import SharedRowsKVCache, rows_piece
 
 MAX_KV_SIZE = Option("max_kv_size", Int(1), REQUIRED, "KV budget in tokens per layer")
+KV_DTYPE = Option("kv_dtype", Choice(("float16", "bfloat16", "float32")), None,
+                  "dtype the K/V rows are stored in (unset: the model's)")
 
 
-class FusedKVCache(FusedAttention, lm_cache.KVCache):
+class StoredDtype:
+    """Mixin for an mlx-lm dense cache: rows are stored as `kv_dtype` (None: as they come). Once a
+    cache holds rows, their dtype decides, so a cache loaded from a file (mlx-lm's from_state keeps
+    no attributes) goes on in the dtype it was saved in instead of widening its buffer."""
+
+    kv_dtype = None  # a name of an mx dtype
+
+    def update_and_fetch(self, keys, values):
+        dtype = self.keys.dtype if self.keys is not None else self.kv_dtype and getattr(mx, self.kv_dtype)
+        if dtype is not None and keys.dtype != dtype:
+            keys, values = keys.astype(dtype), values.astype(dtype)
+        return super().update_and_fetch(keys, values)
+
+
+class FusedKVCache(FusedAttention, StoredDtype, lm_cache.KVCache):
     """mlx-lm's KVCache, attended by the fused CPU kernel; batched, its sequences hold a shared
     prefix once (SharedRowsBatch)."""
 
@@ -70,40 +92,42 @@ class FusedKVCache(FusedAttention, lm_cache.KVCache):
         return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-class FusedRotatingKVCache(FusedAttention, lm_cache.RotatingKVCache):
+class FusedRotatingKVCache(FusedAttention, StoredDtype, lm_cache.RotatingKVCache):
     """mlx-lm's RotatingKVCache, attended by the fused CPU kernel."""
 
 
 FUSED_CLASSES = {lm_cache.KVCache: FusedKVCache, lm_cache.RotatingKVCache: FusedRotatingKVCache}
 
 
-def with_fused_attention(cache):
+def with_fused_attention(cache, kv_dtype=None):
     """`cache` itself, switched to its fused subclass when it is a plain KVCache / RotatingKVCache
-    (others, e.g. SSM state, stay as they are)."""
+    (others, e.g. SSM state, stay as they are), storing rows as `kv_dtype` (None: as they come)."""
     fused = FUSED_CLASSES.get(type(cache))
     if fused is not None:
         hook.install()
         cache.__class__ = fused
+        if kv_dtype is not None:
+            cache.kv_dtype = kv_dtype
     return cache
 
 
-def _full(model):
-    return [with_fused_attention(c) for c in lm_cache.make_prompt_cache(model)]
+def _full(model, kv_dtype=None):
+    return [with_fused_attention(c, kv_dtype) for c in lm_cache.make_prompt_cache(model)]
 
 
-def _rotating(model, max_kv_size, keep):
+def _rotating(model, max_kv_size, keep, kv_dtype=None):
     if keep >= max_kv_size:
         raise ValueError(f"keep must be in [0, max_kv_size) = [0, {max_kv_size}), got {keep!r}")
-    return per_layer_caches(model, lambda i: FusedRotatingKVCache(max_size=max_kv_size, keep=keep))
+    return per_layer_caches(model, lambda i: with_fused_attention(lm_cache.RotatingKVCache(max_size=max_kv_size, keep=keep), kv_dtype))
 
 
 register_policy(Policy("full", "every token (the model's own caches); batched, requests forked from one prompt cache share its rows",
-                       (), _full, cache_classes=(FusedKVCache, FusedRotatingKVCache, SharedRowsKVCache)))
+                       (KV_DTYPE,), _full, cache_classes=(FusedKVCache, FusedRotatingKVCache, SharedRowsKVCache)))
 register_policy(
     Policy(
         "rotating",
         "mlx-lm's RotatingKVCache: sink tokens + a sliding window (StreamingLLM)",
-        (MAX_KV_SIZE, Option("keep", Int(0), 4, "first tokens always kept (attention sinks)")),
+        (MAX_KV_SIZE, Option("keep", Int(0), 4, "first tokens always kept (attention sinks)"), KV_DTYPE),
         _rotating,
         cache_classes=(FusedRotatingKVCache,),
     )

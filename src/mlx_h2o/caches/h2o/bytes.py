@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ...storage import role_bits
+from .budget import DEFAULT_SPLIT
 from .keeper import BOOKKEEPING_BYTES
 from .storage import row_bytes
 
@@ -47,7 +48,7 @@ class ByteRule:
     kv_bits: Optional[str]
     rotate: bool
     kv_recent_rows: Optional[int] = None
-    split: str = "heavy"
+    split: str = DEFAULT_SPLIT
     evicted_bits: Optional[str] = None
     evicted_share: float = 0.5
 

@@ -1,0 +1,107 @@
+"""`kv_dtype`: the full and rotating caches store their K/V rows in a narrower dtype than the
+model computes in (float16 halves a float32 model's cache, as llama.cpp's f16 cache does), and the
+fused kernel reads them as they are."""
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from attention_reference import check, randn
+from decoding import step_logits, tokens
+from mlx_lm.models import cache as lm_cache
+
+import mlx_h2o
+from mlx_h2o import hook
+from mlx_h2o.attention import scaled_dot_product_attention_with_scores
+from tiny_models import tiny_model
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@pytest.mark.parametrize("kv_dtype", list(DTYPES))
+@pytest.mark.parametrize("mask", [None, "causal", "bool"])
+def test_float32_queries_over_narrower_rows_match_the_float64_reference(kv_dtype, mask):
+    from attention_reference import random_mask
+
+    rng = np.random.default_rng(5)
+    B, Hq, Hkv, L, N, D = 2, 9, 3, 4, 301, 64
+    q = randn(rng, (B, Hq, L, D), mx.float32)
+    k, v = (randn(rng, (B, Hkv, N, D), DTYPES[kv_dtype]) for _ in range(2))
+    check(q, k, v, D**-0.5, random_mask(rng, mask, B, Hq, L, N))
+    # The dense path the caches take (MLX's own SDPA where the fork makes it the fused kernel).
+    out = hook.fused_dense_attention(q, k, v, scale=D**-0.5, mask=None)
+    want = scaled_dot_product_attention_with_scores(q, k.astype(mx.float32), v.astype(mx.float32), scale=D**-0.5)[0]
+    assert out.dtype == mx.float32
+    np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-6, rtol=1e-5)
+
+
+class Rounded:
+    """The reference: mlx-lm's own caches holding rows rounded to `dtype` and widened back."""
+
+    dtype = mx.float16
+
+    def update_and_fetch(self, keys, values):
+        return super().update_and_fetch(*(a.astype(self.dtype).astype(a.dtype) for a in (keys, values)))
+
+
+ROUNDED = {cls: type(f"Rounded{cls.__name__}", (Rounded, cls), {}) for cls in (lm_cache.KVCache, lm_cache.RotatingKVCache)}
+
+
+def rounded_caches(model):
+    caches = lm_cache.make_prompt_cache(model)
+    for c in caches:
+        c.__class__ = ROUNDED[type(c)]
+    return caches
+
+
+@pytest.mark.parametrize("kv_dtype", list(DTYPES))
+@pytest.mark.parametrize("model_type", ["llama", "gemma3"])
+def test_full_stores_rows_in_kv_dtype_with_the_logits_of_rounded_rows(kv_dtype, model_type, monkeypatch):
+    model = tiny_model(model_type)
+    x = tokens(300, seed=1, batch=1, vocab=101)  # past mlx-lm's 256-row buffer step: the buffer grows once
+    cache = mlx_h2o.make_cache(model, "full", kv_dtype=kv_dtype)
+    got = step_logits(model, x, cache, prefill=260)
+    assert all(c.keys.dtype == DTYPES[kv_dtype] and c.values.dtype == DTYPES[kv_dtype] for c in cache)
+    monkeypatch.setattr(Rounded, "dtype", DTYPES[kv_dtype])
+    mlx_h2o.use_fast_cpu_attention(True)  # the same kernel over float32 rows holding the rounded values
+    try:
+        want = step_logits(model, x, rounded_caches(model), prefill=260)  # gemma3: its sliding layers too
+    finally:
+        mlx_h2o.use_fast_cpu_attention(None)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    # Narrower than float32's by more than the kernel's error: the rows really were rounded.
+    exact = step_logits(model, x, mlx_h2o.make_cache(model, "full"), prefill=260)
+    assert np.abs(exact - want).max() > 10 * np.abs(got - want).max()
+
+
+def test_full_halves_the_bytes_and_keeps_its_dtype_when_copied_saved_and_loaded(tmp_path):
+    model = tiny_model("llama")
+    x = tokens(40, seed=2, batch=1, vocab=101)
+    wide, narrow = mlx_h2o.make_cache(model, "full"), mlx_h2o.make_cache(model, "full", kv_dtype="float16")
+    for c in (wide, narrow):
+        step_logits(model, x, c, prefill=30)
+    assert sum(c.nbytes for c in narrow) * 2 == sum(c.nbytes for c in wide)
+    twin = copy.deepcopy(narrow)
+    path = str(tmp_path / "c.safetensors")
+    lm_cache.save_prompt_cache(path, narrow)
+    loaded = lm_cache.load_prompt_cache(path)
+    more = tokens(260, seed=3, batch=1, vocab=101)  # grows the buffer: a widening concatenate would show
+    outs = [step_logits(model, more, c, prefill=1) for c in (narrow, twin, loaded)]
+    for c in (narrow, twin, loaded):
+        assert c[0].keys.dtype == mx.float16 and c[0].values.dtype == mx.float16
+    np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(outs[2], outs[0])
+
+
+def test_rotating_stores_rows_in_kv_dtype():
+    model = tiny_model("llama")
+    cache = mlx_h2o.make_cache(model, "rotating", max_kv_size=24, kv_dtype="bfloat16")
+    step_logits(model, tokens(60, seed=4, batch=1, vocab=101), cache, prefill=30)
+    assert all(c.keys.dtype == mx.bfloat16 and c.size() == 24 for c in cache)
+
+
+@pytest.mark.parametrize("value", ["int8", "float64", 16, "fp16"])
+def test_a_bad_kv_dtype_is_a_clear_error(value):
+    with pytest.raises(ValueError, match="kv_dtype must be one of 'float16', 'bfloat16', 'float32'"):
+        mlx_h2o.make_cache(tiny_model("llama"), "full", kv_dtype=value)
