@@ -4,6 +4,7 @@ every BOOKKEEPING_EVAL_EVERY tokens, compactions every evict_every) shows as wha
 
     python benchmarks/bench_h2o_steps.py                        # 512 and 2048 tokens of context, M = 512
     python benchmarks/bench_h2o_steps.py --contexts 8192 --rounds 2
+    python benchmarks/bench_h2o_steps.py --kv-dtype float16       # both caches' rows in float16
 
 Each run: a fresh cache, the context (GPL-3, repeated) prefilled in 512-token chunks, then --tokens
 greedy steps, each step's time taken as generate_step yields it. Caches alternate within a round.
@@ -25,6 +26,7 @@ def main(argv=None):
     p.add_argument("--max-kv-size", type=int, default=512, help="h2o's M")
     p.add_argument("--tokens", type=int, default=257, help="greedy decode steps per run")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kv-dtype", choices=["float16", "bfloat16", "float32"], help="both caches' kv_dtype (unset: the model's)")
     add_quiet_arguments(p)
     args = p.parse_args(argv)
 
@@ -39,7 +41,8 @@ def main(argv=None):
         ids = tokenizer.encode(f.read() * 4)
 
     def run(context, name):
-        cache = mlx_h2o.make_cache(model, "full") if name == "full" else mlx_h2o.make_cache(model, "h2o", max_kv_size=args.max_kv_size)
+        rows = {} if args.kv_dtype is None else {"kv_dtype": args.kv_dtype}
+        cache = mlx_h2o.make_cache(model, "full", **rows) if name == "full" else mlx_h2o.make_cache(model, "h2o", max_kv_size=args.max_kv_size, **rows)
         times = []
         for _ in generate_step(mx.array(ids[:context]), model, max_tokens=args.tokens, prompt_cache=cache,
                                sampler=lambda lp: mx.argmax(lp, axis=-1), prefill_step_size=512):
@@ -58,7 +61,7 @@ def main(argv=None):
                 print(f"  round {r + 1}, {context} tokens, {name}: p50 {s[len(s) // 2]:.1f} ms, p99 {s[int(0.99 * len(s))]:.1f} ms, "
                       f"{1e3 * len(s) / sum(s):.1f} tok/s (load {os.getloadavg()[0]:.2f})", flush=True)
 
-    print(f"\nh2o M = {args.max_kv_size}; medians over {args.rounds} runs [min-max]\n")
+    print(f"\nh2o M = {args.max_kv_size}; rows in {args.kv_dtype or 'the model dtype'}; medians over {args.rounds} runs [min-max]\n")
     print("| context | cache | decode tok/s | vs full | step p50 ms | p99 ms | p99 / p50 | steps > 1.5x p50 |")
     print("|---|---|---|---|---|---|---|---|")
 

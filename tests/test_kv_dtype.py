@@ -1,4 +1,4 @@
-"""`kv_dtype`: the full and rotating caches store their K/V rows in a narrower dtype than the
+"""`kv_dtype`: the full, rotating and h2o caches store their K/V rows in a narrower dtype than the
 model computes in (float16 halves a float32 model's cache, as llama.cpp's f16 cache does), and the
 fused kernel reads them as they are."""
 
@@ -14,6 +14,7 @@ from mlx_lm.models import cache as lm_cache
 import mlx_h2o
 from mlx_h2o import hook
 from mlx_h2o.attention import scaled_dot_product_attention_with_scores
+from mlx_h2o.caches.baseline import FUSED_CLASSES
 from tiny_models import tiny_model
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -45,10 +46,12 @@ class Rounded:
         return super().update_and_fetch(*(a.astype(self.dtype).astype(a.dtype) for a in (keys, values)))
 
 
-ROUNDED = {cls: type(f"Rounded{cls.__name__}", (Rounded, cls), {}) for cls in (lm_cache.KVCache, lm_cache.RotatingKVCache)}
+# On the fused caches of the policies (attended by the same kernel, with no process-wide opt-in).
+ROUNDED = {cls: type(f"Rounded{fused.__name__}", (Rounded, fused), {}) for cls, fused in FUSED_CLASSES.items()}
 
 
 def rounded_caches(model):
+    hook.install()
     caches = lm_cache.make_prompt_cache(model)
     for c in caches:
         c.__class__ = ROUNDED[type(c)]
@@ -64,11 +67,8 @@ def test_full_stores_rows_in_kv_dtype_with_the_logits_of_rounded_rows(kv_dtype, 
     got = step_logits(model, x, cache, prefill=260)
     assert all(c.keys.dtype == DTYPES[kv_dtype] and c.values.dtype == DTYPES[kv_dtype] for c in cache)
     monkeypatch.setattr(Rounded, "dtype", DTYPES[kv_dtype])
-    mlx_h2o.use_fast_cpu_attention(True)  # the same kernel over float32 rows holding the rounded values
-    try:
-        want = step_logits(model, x, rounded_caches(model), prefill=260)  # gemma3: its sliding layers too
-    finally:
-        mlx_h2o.use_fast_cpu_attention(None)
+    # The same kernel over float32 rows holding the rounded values (gemma3: its sliding layers too).
+    want = step_logits(model, x, rounded_caches(model), prefill=260)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     # Narrower than float32's by more than the kernel's error: the rows really were rounded.
     exact = step_logits(model, x, mlx_h2o.make_cache(model, "full"), prefill=260)
@@ -94,6 +94,29 @@ def test_full_halves_the_bytes_and_keeps_its_dtype_when_copied_saved_and_loaded(
     np.testing.assert_array_equal(outs[2], outs[0])
 
 
+@pytest.mark.parametrize("kv_dtype", list(DTYPES))
+def test_h2o_keeps_the_entries_and_logits_of_rounded_rows_at_half_the_bytes(kv_dtype, monkeypatch):
+    """Dense h2o rows in kv_dtype: the kernel scores and attends them as float32 rows holding the
+    rounded values, so the same entries are evicted and the logits are the same."""
+    from mlx_h2o.caches.h2o.cache import H2OKVCache
+    from mlx_h2o.evaluation import kv_bytes
+
+    model = tiny_model("llama")
+    x = tokens(90, seed=6, batch=1, vocab=101)
+    narrow = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, kv_dtype=kv_dtype)
+    got = step_logits(model, x, narrow, prefill=40)
+    assert all(c.row_dtype == kv_dtype and c.evictions > 0 for c in narrow)
+    original = H2OKVCache.update_and_fetch
+    monkeypatch.setattr(H2OKVCache, "update_and_fetch",
+                        lambda self, k, v: original(self, *(a.astype(DTYPES[kv_dtype]).astype(a.dtype) for a in (k, v))))
+    wide = mlx_h2o.make_cache(model, "h2o", max_kv_size=24)
+    want = step_logits(model, x, wide, prefill=40)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(narrow, wide):
+        np.testing.assert_array_equal(np.array(a.lanes[0].store.column("pos")), np.array(b.lanes[0].store.column("pos")))
+    assert kv_bytes(narrow) < 0.55 * kv_bytes(wide)
+
+
 def test_rotating_stores_rows_in_kv_dtype():
     model = tiny_model("llama")
     cache = mlx_h2o.make_cache(model, "rotating", max_kv_size=24, kv_dtype="bfloat16")
@@ -101,7 +124,8 @@ def test_rotating_stores_rows_in_kv_dtype():
     assert all(c.keys.dtype == mx.bfloat16 and c.size() == 24 for c in cache)
 
 
+@pytest.mark.parametrize("policy", [dict(policy="full"), dict(policy="h2o", max_kv_size=24)])
 @pytest.mark.parametrize("value", ["int8", "float64", 16, "fp16"])
-def test_a_bad_kv_dtype_is_a_clear_error(value):
+def test_a_bad_kv_dtype_is_a_clear_error(value, policy):
     with pytest.raises(ValueError, match="kv_dtype must be one of 'float16', 'bfloat16', 'float32'"):
-        mlx_h2o.make_cache(tiny_model("llama"), "full", kv_dtype=value)
+        mlx_h2o.make_cache(tiny_model("llama"), **policy, kv_dtype=value)

@@ -37,6 +37,8 @@ VARIANTS = [
     ("h2o", {"merge": 0.3, "evict_every": 3}),
     ("h2o", {"evicted_bits": 4, "rotate": True}),
     ("h2o", {"evicted_bits": "k8v4", "kv_bits": 8, "evicted_share": 0.25}),
+    ("h2o", {"kv_dtype": "float16"}),
+    ("h2o", {"kv_bits": "4/8", "rotate": True, "kv_dtype": "bfloat16"}),
     ("full", {"kv_dtype": "float16"}),
     ("rotating", {"kv_dtype": "bfloat16"}),
 ]

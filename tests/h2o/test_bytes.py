@@ -77,6 +77,8 @@ CONFIGS = [
     (dict(head_dim=64), dict(kv_bits="8", evict_every=5)),
     (dict(head_dim=64), dict(kv_bits="4", rotate=True, split="balanced", select="layer")),
     (dict(head_dim=64), dict(kv_recent_rows=8, split="recent")),
+    (dict(head_dim=64), dict(kv_dtype="float16")),  # the rule's packed rows, float16 scales and biases
+    (dict(), dict(kv_dtype="bfloat16")),  # dense rows at half the bytes
     (dict(), dict(merge=0.5)),
 ]
 

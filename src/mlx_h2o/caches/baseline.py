@@ -20,19 +20,17 @@ request's row of one padded array.
 
 import copy
 
-import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
 from .. import hook
-from ..option_kinds import Choice
-from ..options import REQUIRED, Int, Option, Policy
+from ..options import REQUIRED, Choice, Int, Option, Policy
+from ..storage import KV_DTYPE_HELP, KV_DTYPES, stored_as
 from . import per_layer_caches, register_policy
 from .base import FusedAttention, fetched_ids, handed_on
 from .shared_rows import SharedRowsKVCache, rows_piece
 
 MAX_KV_SIZE = Option("max_kv_size", Int(1), REQUIRED, "KV budget in tokens per layer")
-KV_DTYPE = Option("kv_dtype", Choice(("float16", "bfloat16", "float32")), None,
-                  "dtype the K/V rows are stored in (unset: the model's)")
+KV_DTYPE = Option("kv_dtype", Choice(KV_DTYPES), None, KV_DTYPE_HELP)
 
 
 class StoredDtype:
@@ -43,10 +41,7 @@ class StoredDtype:
     kv_dtype = None  # a name of an mx dtype
 
     def update_and_fetch(self, keys, values):
-        dtype = self.keys.dtype if self.keys is not None else self.kv_dtype and getattr(mx, self.kv_dtype)
-        if dtype is not None and keys.dtype != dtype:
-            keys, values = keys.astype(dtype), values.astype(dtype)
-        return super().update_and_fetch(keys, values)
+        return super().update_and_fetch(*stored_as(self.kv_dtype if self.keys is None else self.keys.dtype, keys, values))
 
 
 class FusedKVCache(FusedAttention, StoredDtype, lm_cache.KVCache):

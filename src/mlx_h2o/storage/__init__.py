@@ -11,7 +11,7 @@
 """
 
 from .columns import ColumnedKV
-from .kv import KVStorage, KVStore, TieredKV, make_kv_storage, role_bits
+from .kv import KV_DTYPE_HELP, KV_DTYPES, KVStorage, KVStore, TieredKV, make_kv_storage, role_bits, stored_as
 from .reserved import ReservedBuffer, check_capacity
 from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, KVRotation, RotatedKV
 from .rows import GROW_STEP, RowStore, check_group_size, flat_rows, gather_rows, grown_capacity, pad_indices
@@ -20,6 +20,8 @@ from .wrapper import KVWrapper
 __all__ = [
     "ColumnedKV",
     "DEFAULT_LAMBDA",
+    "KV_DTYPE_HELP",
+    "KV_DTYPES",
     "GROW_STEP",
     "KVRotation",
     "KVStorage",
@@ -38,4 +40,5 @@ __all__ = [
     "make_kv_storage",
     "pad_indices",
     "role_bits",
+    "stored_as",
 ]

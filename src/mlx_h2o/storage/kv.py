@@ -101,6 +101,20 @@ class KVStorage(ABC):
         return out
 
 
+# Dtypes a cache may store dense rows in (`kv_dtype`) other than the model's: on the CPU the model
+# computes in float32, and float16 rows halve a cache at no measurable perplexity cost (docs/cpu-decode.md).
+KV_DTYPES = ("float16", "bfloat16", "float32")
+KV_DTYPE_HELP = "dtype the K/V rows are stored in (unset: the model's)"  # the option's text, for every policy
+
+
+def stored_as(dtype, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+    """keys and values in `dtype` (an mx dtype or a name of KV_DTYPES; None: as they come)."""
+    if dtype is None:
+        return keys, values
+    dtype = getattr(mx, dtype) if isinstance(dtype, str) else dtype
+    return keys.astype(dtype) if keys.dtype != dtype else keys, values.astype(dtype) if values.dtype != dtype else values
+
+
 def role_bits(bits) -> Tuple[Optional[int], Optional[int]]:
     """A format (module docstring) as (k_bits, v_bits)."""
     return tuple(bits) if isinstance(bits, (tuple, list)) else (bits, bits)

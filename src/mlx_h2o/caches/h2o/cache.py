@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from ...distributed import SharesGroup
+from ...storage import stored_as
 from ..base import AttendingCache, fetched_ids, handed_on
 from ..batch import SequenceBatch
 from .bytes import resolve
@@ -161,6 +162,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
         if self._awaiting_scores and not self.scoreless:
             warnings.warn(NO_SCORES, RuntimeWarning, stacklevel=2)
         self.scoreless |= self._awaiting_scores
+        keys, values = stored_as(self.config.storage.kv_dtype, keys, values)
         B, H, L, _ = keys.shape
         if self.lanes is None:
             if not self.config.budget.resolved:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ...options import Choice, Flag, Int, option
-from ...storage import DEFAULT_LAMBDA, LAMBDA_MODES, KVStorage, RotatedKV, TieredKV, check_group_size, make_kv_storage, role_bits
+from ...storage import DEFAULT_LAMBDA, KV_DTYPE_HELP, KV_DTYPES, LAMBDA_MODES, KVStorage, RotatedKV, TieredKV, check_group_size, make_kv_storage, role_bits
 
 # Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype;
 # "k8v4" = 8-bit keys with 4-bit values (keys are the sensitive half), "k4v8" the reverse.
@@ -85,6 +85,9 @@ class Storage:
         values sharing one scale and bias when packed.
     rotate, rotate_lam:
         rotate K/V before packing, with an optional per-coordinate scale (storage/rotation.py).
+    kv_dtype:
+        the dtype rows are kept in before any packing (unset: the model's); packed rows' scales and
+        biases take it too, and a byte budget counts its size.
     """
 
     kv_bits: Optional[str] = option(
@@ -95,6 +98,7 @@ class Storage:
     kv_group_size: int = option(Choice(KV_GROUP_SIZES), 32, "values sharing one scale and bias when packed")
     rotate: bool = option(Flag(), False, "rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality")
     rotate_lam: str = option(Choice(LAMBDA_MODES, ((None, "none"),)), DEFAULT_LAMBDA, "per-coordinate scale of the rotation")
+    kv_dtype: Optional[str] = option(Choice(KV_DTYPES), None, KV_DTYPE_HELP)
 
     @property
     def single_format(self) -> bool:
