@@ -7,7 +7,7 @@ import copy
 import mlx.core as mx
 import numpy as np
 import pytest
-from attention_reference import check, randn
+from attention_reference import check, randn, random_mask
 from decoding import step_logits, tokens
 from mlx_lm.models import cache as lm_cache
 
@@ -23,8 +23,6 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 @pytest.mark.parametrize("kv_dtype", list(DTYPES))
 @pytest.mark.parametrize("mask", [None, "causal", "bool"])
 def test_float32_queries_over_narrower_rows_match_the_float64_reference(kv_dtype, mask):
-    from attention_reference import random_mask
-
     rng = np.random.default_rng(5)
     B, Hq, Hkv, L, N, D = 2, 9, 3, 4, 301, 64
     q = randn(rng, (B, Hq, L, D), mx.float32)
@@ -37,13 +35,18 @@ def test_float32_queries_over_narrower_rows_match_the_float64_reference(kv_dtype
     np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-6, rtol=1e-5)
 
 
+def rounded(dtype, *rows):
+    """Each of `rows` rounded to `dtype` and widened back: the values narrower rows hold, in the rows' dtype."""
+    return tuple(a.astype(dtype).astype(a.dtype) for a in rows)
+
+
 class Rounded:
-    """The reference: mlx-lm's own caches holding rows rounded to `dtype` and widened back."""
+    """The reference: a cache holding its rows rounded to `dtype` and widened back."""
 
     dtype = mx.float16
 
     def update_and_fetch(self, keys, values):
-        return super().update_and_fetch(*(a.astype(self.dtype).astype(a.dtype) for a in (keys, values)))
+        return super().update_and_fetch(*rounded(self.dtype, keys, values))
 
 
 # On the fused caches of the policies (attended by the same kernel, with no process-wide opt-in).
@@ -108,7 +111,7 @@ def test_h2o_keeps_the_entries_and_logits_of_rounded_rows_at_half_the_bytes(kv_d
     assert all(c.row_dtype == kv_dtype and c.evictions > 0 for c in narrow)
     original = H2OKVCache.update_and_fetch
     monkeypatch.setattr(H2OKVCache, "update_and_fetch",
-                        lambda self, k, v: original(self, *(a.astype(DTYPES[kv_dtype]).astype(a.dtype) for a in (k, v))))
+                        lambda self, k, v: original(self, *rounded(DTYPES[kv_dtype], k, v)))
     wide = mlx_h2o.make_cache(model, "h2o", max_kv_size=24)
     want = step_logits(model, x, wide, prefill=40)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
