@@ -63,6 +63,16 @@ def test_quantized_every_bits_group_dtype(bits, group_size, dtype):
     check(q, kq, vq, 128**-0.5, "causal", fn=_quantized_fn(bits, group_size), ref_kv=(kd, vd), int8_keys=int8_keys(517, bits))
 
 
+@pytest.mark.parametrize("D", [32, 96, 160])
+def test_4bit_keys_in_pairs_and_a_lone_block(D):
+    """AVX2 dots 4-bit keys two 32-column blocks at a time: head dims of 1, 3 and 5 blocks leave one alone."""
+    rng = np.random.default_rng(D)
+    q, k, v = make_inputs(rng, 1, 4, 2, 5, 300, D, mx.float32)
+    kq, kd = quantize(k, 4, 32)
+    vq, vd = quantize(v, 4, 32)
+    check(q, kq, vq, D**-0.5, "causal", fn=_quantized_fn(4, 32), ref_kv=(kd, vd), int8_keys=int8_keys(300, 4))
+
+
 def test_quantized_sweep_shapes_masks_and_other_bit_widths():
     """GQA shapes x lengths x masks, with the bit widths (2, 3, 5, 6) the rotated caches use too."""
     rng = np.random.default_rng(1)

@@ -64,6 +64,18 @@ def test_kernel_within_the_int8_bound(bits, group_size, dtype):
     assert np.mean(np.concatenate(errs)) < 0.25 * np.mean(np.concatenate(bounds))
 
 
+@pytest.mark.parametrize("group_size, K", [(32, 96), (32, 352), (32, 576), (64, 320), (64, 576), (128, 384)])
+def test_4bit_blocks_in_eights_pairs_and_a_lone_block(group_size, K):
+    """The AVX2 path takes 4-bit blocks 8 at a time, then in pairs, then a trailing one alone: block counts
+    3 (a pair and one), 11 (eight, a pair, one), 18 (two eights, a pair), 10 and 12 with wider groups."""
+    rng = np.random.default_rng(K + group_size)
+    for M, N in [(1, 40), (3, 17), (5, 64)]:
+        w = mx.array(rng.standard_normal((N, K)).astype(np.float32) * 0.05)
+        x = mx.array((rng.standard_normal((M, K)) * rng.uniform(0.1, 10)).astype(np.float32))
+        for sdtype in (mx.float32, mx.float16):
+            check(x, mx.quantize(w.astype(sdtype), group_size=group_size, bits=4), group_size, 4)
+
+
 def test_leading_axes_strided_x_and_scale_dtypes():
     rng = np.random.default_rng(1)
     w = mx.array(rng.standard_normal((96, 256)).astype(np.float32))

@@ -289,21 +289,35 @@ static inline void qk_rows_int8(const KV& K, const QueryInt8& qi, int r0, const 
     d[r] = qi.d + static_cast<int64_t>(r0 + r) * qi.blocks;
     bs[r] = qi.bsum + static_cast<int64_t>(r0 + r) * qi.blocks;
   }
+  const int blocks = qi.Dk / QBLOCK;
   for (int t = 0; t < tn; ++t) {
     const typename KV::Row& kr = rows[t];
     v8f a[RR];
     float bias[RR];
     for (int r = 0; r < RR; ++r) a[r] = zeros8(), bias[r] = 0.0f;
     for (int g = 0; g < groups; ++g) {
-      const float sc = SE::load1(kr.scale + g);
-      const float bi = SE::load1(kr.bias + g) + PB::bias_shift * sc;
-      for (int c = g * bpg; c < (g + 1) * bpg; ++c) {
-        const typename PB::Block W = PB::load(kr.w + c * block_bytes);
+      const float bi = SE::load1(kr.bias + g) + PB::bias_shift * SE::load1(kr.scale + g);
+      for (int c = g * bpg; c < (g + 1) * bpg; ++c)
+        for (int r = 0; r < RR; ++r) bias[r] += bi * bs[r][c];
+    }
+    int c = 0;
+#if defined(MLX_H2O_ISA_AVX2)
+    if constexpr (BITS == 4) {  // two blocks per unpack (int8_dot.h, U4Pair; the queries are in the pair layout)
+      for (; c + 2 <= blocks; c += 2) {
+        const U4Pair W = load_u4_pair(kr.w + c * block_bytes);
+        const float s0 = SE::load1(kr.scale + c / bpg), s1 = SE::load1(kr.scale + (c + 1) / bpg);
         for (int r = 0; r < RR; ++r) {
-          a[r] += __builtin_convertvector(dot_block(W, xq[r] + c * QBLOCK), v8f) * splat(sc * d[r][c]);
-          bias[r] += bi * bs[r][c];
+          const __m256 f = _mm256_set_m128(_mm_set1_ps(s1 * d[r][c + 1]), _mm_set1_ps(s0 * d[r][c]));
+          a[r] += __builtin_convertvector(dot_pair(W, xq[r] + c * QBLOCK), v8f) * bitcast<v8f>(f);
         }
       }
+    }
+#endif
+    for (; c < blocks; ++c) {
+      const typename PB::Block W = PB::load(kr.w + c * block_bytes);
+      const float sc = SE::load1(kr.scale + c / bpg);
+      for (int r = 0; r < RR; ++r)
+        a[r] += __builtin_convertvector(dot_block(W, xq[r] + c * QBLOCK), v8f) * splat(sc * d[r][c]);
     }
     store_sums<RR>(a, s + t, lds);
     for (int r = 0; r < RR; ++r) s[r * lds + t] += bias[r];
@@ -385,6 +399,9 @@ static void attend_range(const AttentionProblem& p, const Plan& pl, const Block&
     for (int r = 0; r < R; ++r) {
       float* dr = qd + r * qblocks;
       quantize_int8_blocks(q + r * Dkp, p.Dk, 4, xq4 + r * p.Dk, dr);
+#if defined(MLX_H2O_ISA_AVX2)
+      to_u4_pair_layout(xq4 + r * p.Dk, p.Dk);  // qk_rows_int8 takes 4-bit keys two blocks at a time
+#endif
       quantize_int8_blocks(q + r * Dkp, p.Dk, 8, xq8 + r * p.Dk, dr);
       for (int c = 0; c < qblocks; ++c) {
         int32_t sum = 0;

@@ -62,6 +62,41 @@ static inline v8i dot_block(const U4Block& b, const int8_t* xq) {
   return bitcast<v8i>(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+/** Two consecutive 4-bit blocks c, c + 1 (32 packed bytes) unpacked with one 256-bit load: `lo` holds
+ *  both blocks' low nibbles (even columns), `hi` their high nibbles. Against activations in the pair
+ *  layout (to_u4_pair_layout) the two blocks cost one unpack, two maddubs and one madd, where one
+ *  block at a time costs a 128-bit load, an insert, two maddubs and two madds per 32 columns less. */
+struct U4Pair {
+  __m256i lo, hi;
+};
+static inline U4Pair load_u4_pair(const uint8_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  return {_mm256_and_si256(raw, nibble), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble)};
+}
+/** 8 int32 partial sums of the pair against 64 activations in the pair layout: lanes 0-3 are block
+ *  c's, lanes 4-7 block c + 1's. Each int16 sum of the two maddubs adds four products of at most
+ *  15 * 127: no saturation. */
+static inline v8i dot_pair(const U4Pair& b, const int8_t* xq) {
+  const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + QBLOCK));
+  const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(b.lo, xl), _mm256_maddubs_epi16(b.hi, xh));
+  return bitcast<v8i>(_mm256_madd_epi16(sums, _mm256_set1_epi16(1)));
+}
+/** Activations quantized for 4-bit weights (each block: even columns, then odd) into the pair
+ *  layout: per pair of blocks, both blocks' even columns, then both blocks' odd ones. A trailing
+ *  unpaired block keeps its layout. */
+static inline void to_u4_pair_layout(int8_t* xq, int K) {
+  constexpr int half = QBLOCK / 2;
+  for (int c = 0; c + 2 <= K / QBLOCK; c += 2) {
+    int8_t* b = xq + c * QBLOCK;
+    int8_t t[half];
+    __builtin_memcpy(t, b + half, half);             // block c's odd columns
+    __builtin_memcpy(b + half, b + QBLOCK, half);     // block c + 1's even columns
+    __builtin_memcpy(b + QBLOCK, t, half);
+  }
+}
+
 /** 32 8-bit weights as q - 128 (signed), and their magnitudes: maddubs multiplies unsigned by
  *  signed, so the sign moves onto the activations (|128 * 127 * 2| fits int16). */
 struct S8Block {

@@ -25,6 +25,50 @@ struct QuantizedRows {
   int K, blocks, groups;
 };
 
+#if defined(MLX_H2O_ISA_AVX2)
+// The 4-bit blocks of a weight row two at a time (int8_dot.h, U4Pair), into the even / odd
+// accumulators by pair. Each row's factors s_g * d_c are made 8 blocks at a time as one vector and
+// spread onto each pair's two halves with a permute. Returns the blocks done: all but a trailing
+// unpaired block, which keeps the one-block layout.
+template <int RR, class SE>
+static inline int add_u4_pairs(const uint8_t* wr, const typename SE::Storage* sr, int blocks, int group_shift,
+                               const int8_t* const* xq, const float* const* xd, v8f* even, v8f* odd) {
+  constexpr int block_bytes = QBLOCK / 2;
+  const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  int c = 0;
+  for (; c + 8 <= blocks; c += 8) {
+    v8f scale;
+    if (group_shift == 0) {
+      scale = SE::load8(sr + c);
+    } else {
+      alignas(32) float s8[8];
+      for (int i = 0; i < 8; ++i) s8[i] = SE::load1(sr + ((c + i) >> group_shift));
+      scale = load8(s8);
+    }
+    v8f f[RR];
+    for (int r = 0; r < RR; ++r) f[r] = scale * load8(xd[r] + c);
+    for (int k = 0; k < 4; ++k) {
+      const U4Pair W = load_u4_pair(wr + (c + 2 * k) * block_bytes);
+      v8f* acc = k & 1 ? odd : even;
+      for (int r = 0; r < RR; ++r) {
+        const v8f fk = bitcast<v8f>(_mm256_permutevar8x32_ps(bitcast<__m256>(f[r]), spread[k]));
+        acc[r] += __builtin_convertvector(dot_pair(W, xq[r] + (c + 2 * k) * QBLOCK), v8f) * fk;
+      }
+    }
+  }
+  for (; c + 2 <= blocks; c += 2) {
+    const U4Pair W = load_u4_pair(wr + c * block_bytes);
+    const float s0 = SE::load1(sr + (c >> group_shift)), s1 = SE::load1(sr + ((c + 1) >> group_shift));
+    for (int r = 0; r < RR; ++r) {
+      const __m256 fc = _mm256_set_m128(_mm_set1_ps(s1 * xd[r][c + 1]), _mm_set1_ps(s0 * xd[r][c]));
+      even[r] += __builtin_convertvector(dot_pair(W, xq[r] + c * QBLOCK), v8f) * bitcast<v8f>(fc);
+    }
+  }
+  return c;
+}
+#endif
+
 // Output columns [n0, n1) for the RR rows r0.. of x. Each row sums its even and its odd blocks in two
 // accumulators (two chains of dependent FMAs: ~6 % faster on 8-bit weights, measured in
 // docs/cpu-decode.md). The order depends on nothing but K, so a row's result is the same in any call
@@ -77,6 +121,9 @@ static void qmm_columns(const QuantizedMatmulProblem& p, const QuantizedRows& a,
         acc[r] += __builtin_convertvector(dot_block(W, xq[r] + c * QBLOCK), v8f) * splat(s * xd[r][c]);
     };
     int c = 0;
+#if defined(MLX_H2O_ISA_AVX2)
+    if constexpr (BITS == 4) c = add_u4_pairs<RR, SE>(wr, sr, a.blocks, group_shift, xq, xd, even, odd);
+#endif
     for (; c + 1 < a.blocks; c += 2) add_block(even, c), add_block(odd, c + 1);
     if (c < a.blocks) add_block(even, c);
     for (int r = 0; r < RR; ++r)
@@ -122,6 +169,9 @@ static void run_quantized_matmul(const QuantizedMatmulProblem& p) {
       }
       gsum.p[static_cast<int64_t>(r) * groups + g] = sum;
     }
+#if defined(MLX_H2O_ISA_AVX2)
+    if (p.W.bits == 4) to_u4_pair_layout(q.p + base, K);  // after the block sums, which read whole blocks
+#endif
   }
   const QuantizedRows rows{q.p, d.p, gsum.p, K, blocks, groups};
   constexpr int chunk = 32;  // output columns per task
