@@ -25,6 +25,7 @@ _EXPORTS = {
     "quantized_matmul": ".cpu_layers",
     "rms_norm": ".cpu_layers",
     "rope": ".cpu_layers",
+    "swiglu": ".cpu_layers",
     "use_cpu_layer_kernels": ".cpu_layers",
     "blas_backend": "._blas",
     "use_openblas": "._blas",

@@ -5,6 +5,8 @@
 - `rms_norm` for `nn.RMSNorm` and `rope` for `nn.RoPE` (integer offsets): on the CPU MLX runs its fast
   ops as composed fallbacks, 11 and 29 primitives a call, two of each per layer: most of a decode
   step's primitives, each paying dispatch. Here each is one primitive.
+- `swiglu` for the SwiGLU MLPs of llama, qwen2, qwen3 and olmo2 (`SWIGLU_MLPS`): mlx-lm's `swiglu` is an
+  `mx.compile`d function, on Linux a JIT-compiled loop of scalar `exp` calls.
 
 Decode is a matrix-vector product per layer: MLX's CPU `quantized_matmul` unpacks every weight to a
 float first, and dequantized float32 weights move 4x the bytes. The kernel (csrc/kernels/
@@ -80,6 +82,12 @@ def rope(x: mx.array, dims: int, *, traditional: bool, base: float, scale: float
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise ValueError(f"offset must be an integer (use mx.fast.rope for array offsets), got {offset!r}")
     return _ext.rope(x, int(dims), bool(traditional), float(base), float(scale), offset, stream)
+
+
+def swiglu(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:
+    """`gate * mx.sigmoid(gate) * up` (mlx-lm's `swiglu`), one kernel on CPU streams (float32 math,
+    rounded once). gate and up have one shape and one float dtype."""
+    return _ext.swiglu(gate, up, stream)
 
 
 # The fork's MLX (patches/mlx, `scripts/series.py build mlx`) runs these layers with the same kernels
@@ -167,6 +175,31 @@ class KernelQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+# mlx-lm MLP classes whose call is exactly `down_proj(swiglu(gate_proj(x), up_proj(x)))`, by module and
+# name (tests/test_cpu_layers.py checks each class's source still says so).
+SWIGLU_MLPS = {("mlx_lm.models.llama", "MLP"), ("mlx_lm.models.qwen2", "MLP"), ("mlx_lm.models.qwen3", "MLP"),
+               ("mlx_lm.models.olmo2", "MLP")}
+
+
+class KernelSwiGLU:
+    """Put before a SWIGLU_MLPS class: its gated activation is the `swiglu` kernel on CPU streams."""
+
+    def __call__(self, x):
+        if not _on_cpu():
+            return super().__call__(x)
+        return self.down_proj(_ext.swiglu(self.gate_proj(x), self.up_proj(x), None))
+
+
+_kernel_mlps = {}
+
+
+def _kernel_mlp(cls):
+    """The KernelSwiGLU subclass of a SWIGLU_MLPS class, made once."""
+    if cls not in _kernel_mlps:
+        _kernel_mlps[cls] = type(f"Kernel{cls.__name__}", (KernelSwiGLU, cls), {"__module__": __name__})
+    return _kernel_mlps[cls]
+
+
 # stock class -> ours. Only exact instances are switched: a subclass may override the call.
 KERNEL_CLASSES = {
     nn.RMSNorm: KernelRMSNorm,
@@ -180,15 +213,20 @@ _STOCK_CLASSES = {ours: stock for stock, ours in KERNEL_CLASSES.items()}
 
 
 def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True) -> int:
-    """Switch `model`'s nn.RMSNorm, nn.RoPE, nn.QuantizedLinear and nn.QuantizedEmbedding modules to
-    the kernel subclasses above (enabled=True) or back to MLX's classes (enabled=False), in place;
+    """Switch `model`'s nn.RMSNorm, nn.RoPE, nn.QuantizedLinear, nn.QuantizedEmbedding and SWIGLU_MLPS
+    modules to the kernel subclasses above (enabled=True) or back to MLX's classes (enabled=False), in place;
     returns how many modules changed. Only this model is affected."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"use_cpu_layer_kernels needs an mlx.nn.Module, got {type(model).__name__}")
     table = KERNEL_CLASSES if enabled else _STOCK_CLASSES
     changed = 0
     for _, module in model.named_modules():
-        new = table.get(type(module))
+        cls = type(module)
+        new = table.get(cls)
+        if enabled and (cls.__module__, cls.__qualname__) in SWIGLU_MLPS:
+            new = _kernel_mlp(cls)
+        elif not enabled and cls.__bases__[0] is KernelSwiGLU:
+            new = cls.__bases__[1]
         if new is not None:
             module.__class__ = new
             changed += 1
@@ -197,4 +235,4 @@ def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True) -> int:
 
 def cpu_layer_kernels_used(model: nn.Module) -> int:
     """How many of `model`'s modules run the kernels."""
-    return sum(type(m) in _STOCK_CLASSES for _, m in model.named_modules())
+    return sum(type(m) in _STOCK_CLASSES or isinstance(m, KernelSwiGLU) for _, m in model.named_modules())

@@ -1,0 +1,46 @@
+#include "activation.h"
+
+#include <stdexcept>
+
+#include "mlx/backend/cpu/encoder.h"
+
+#include "kernels/activation_problem.h"
+#include "op_utils.h"
+
+namespace mlx_h2o {
+
+static mx::array swiglu_composed(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+  return mx::multiply(mx::multiply(gate, mx::sigmoid(gate, s), s), up, s);
+}
+
+mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+  if (!is_float_dtype(gate.dtype()) || gate.dtype() != up.dtype())
+    fail("gate and up must be float32, float16 or bfloat16 arrays of one dtype");
+  if (gate.shape() != up.shape())
+    fail("gate and up must have one shape, got " + shape_str(gate.shape()) + " and " + shape_str(up.shape()));
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu || gate.size() == 0) return swiglu_composed(gate, up, stream);
+  return mx::array(gate.shape(), gate.dtype(), std::make_shared<SwiGLUCPU>(stream), {gate, up});
+}
+
+void SwiGLUCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  const auto in = prepare_contiguous(inputs, outputs, enc);
+  SwiGLUProblem p;
+  p.n = static_cast<int64_t>(in[0].size());
+  p.gate = in[0].data<void>();
+  p.up = in[1].data<void>();
+  p.type = elem_type(in[0].dtype());
+  p.out = outputs[0].data<void>();
+  enc.dispatch([p]() { swiglu_cpu(p); });
+}
+
+void SwiGLUCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[swiglu] no GPU kernel; the op uses the stock ops on GPU streams");
+}
+
+std::vector<mx::array> SwiGLUCPU::composed(const std::vector<mx::array>& inputs) {
+  return {swiglu_composed(inputs[0], inputs[1], stream())};
+}
+
+}  // namespace mlx_h2o

@@ -1,0 +1,48 @@
+// silu(gate) * up (see activation_problem.h). Per-ISA kernel source: no include guard, included once
+// per instruction set by activation_cpu.cpp (isa_variants.inc). Single-threaded: a decode step's
+// rows are a few thousand values.
+
+#include "simd.h"
+#include "convert.h"
+
+namespace mlx_h2o {
+namespace MLX_H2O_ISA_NS {
+
+// sigmoid(g) from e = exp(-|g|) <= 1, so exp2v only sees arguments <= 0 (its range): 1 / (1 + e)
+// for g >= 0 and e / (1 + e) below.
+static inline v8f silu_times(v8f g, v8f u) {
+  const v8f e = exp2v(vmax(g, -g) * splat(-1.4426950408889634f));
+  const v8f sig = (g >= zeros8() ? splat(1.0f) : e) / (splat(1.0f) + e);
+  return g * sig * u;
+}
+
+template <class Elem>
+static void run_swiglu(const SwiGLUProblem& p) {
+  using S = typename Elem::Storage;
+  const S* g = static_cast<const S*>(p.gate);
+  const S* u = static_cast<const S*>(p.up);
+  int64_t i = 0;
+  if (p.type == ElemType::float32) {
+    float* out = static_cast<float*>(p.out);
+    for (; i + 8 <= p.n; i += 8) store8(out + i, silu_times(Elem::load8(g + i), Elem::load8(u + i)));
+  } else {
+    alignas(32) float r[8];
+    for (; i + 8 <= p.n; i += 8) {
+      store8(r, silu_times(Elem::load8(g + i), Elem::load8(u + i)));
+      for (int j = 0; j < 8; ++j) store_scalar(p.out, p.type, i + j, r[j]);
+    }
+  }
+  for (; i < p.n; ++i) store_scalar(p.out, p.type, i, silu_times(splat(Elem::load1(g + i)), splat(Elem::load1(u + i)))[0]);
+}
+
+static void swiglu_cpu_entry(const SwiGLUProblem& p) {
+  switch (p.type) {
+    case ElemType::float32: run_swiglu<F32Elem>(p); return;
+    case ElemType::float16: run_swiglu<F16Elem>(p); return;
+    case ElemType::bfloat16: run_swiglu<BF16Elem>(p); return;
+    default: return;  // rejected by the op
+  }
+}
+
+}  // namespace MLX_H2O_ISA_NS
+}  // namespace mlx_h2o
