@@ -12,7 +12,7 @@
 #include "accumulate_prefix.h"
 #include "attention_with_scores.h"
 #include "kernels/isa.h"
-#include "activation.h"
+#include "exp_ops.h"
 #include "norm_rope.h"
 #include "parallel.h"
 #include "kv_rows.h"
@@ -106,6 +106,8 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none(), "mx.fast.rope with an integer offset as one CPU kernel (Python API: mlx_h2o.rope).");
   m.def("swiglu", &mlx_h2o::swiglu, "gate"_a, "up"_a, "stream"_a = nb::none(),
         "gate * sigmoid(gate) * up (mlx-lm's swiglu) as one CPU kernel (Python API: mlx_h2o.swiglu).");
+  m.def("logsumexp_last_axis", &mlx_h2o::logsumexp_last_axis, "x"_a, "stream"_a = nb::none(),
+        "mx.logsumexp(x, axis=-1) as one CPU kernel (the fork's MLX runs it for mx.logsumexp).");
   m.def("attention_int8_queries", &mlx_h2o::attention_int8_queries,
         "Whether attention ops built now round queries to int8 for packed 4-/8-bit keys.");
   m.def("set_attention_int8_queries", &mlx_h2o::set_attention_int8_queries, "enabled"_a,

@@ -46,7 +46,8 @@ FORMAT_PATCH = ["format-patch", "--quiet", "--zero-commit", "--no-signature", "-
 # What the kernel glue in MLX uses of csrc/ (the include closure of these is vendored into the series).
 KERNEL_SEEDS = ("kernels/attention_problem.h", "kernels/attention_cpu.cpp", "parallel.h",
                 "kernels/quantized_matmul_problem.h", "kernels/quantized_matmul_cpu.cpp",
-                "kernels/norm_rope_problem.h", "kernels/norm_rope_cpu.cpp")
+                "kernels/norm_rope_problem.h", "kernels/norm_rope_cpu.cpp",
+                "kernels/exp_ops_problem.h", "kernels/exp_ops_cpu.cpp")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 _DEFINED_FILE = re.compile(r'^\s*#\s*define\s+\w+\s+"([^"]+\.(?:h|inc))"', re.M)  # a file included via a macro
 

@@ -1,8 +1,6 @@
-"""`mlx_h2o.rms_norm` / `mlx_h2o.rope` / `mlx_h2o.swiglu` (one CPU kernel each) against float64 NumPy
-references and MLX's own ops, and the switch that routes nn.RMSNorm / nn.RoPE / SwiGLU MLPs through them."""
-
-import importlib
-import inspect
+"""`mlx_h2o.rms_norm` / `mlx_h2o.rope` (one CPU kernel each) against float64 NumPy references and
+mx.fast's own ops, and the switch that routes nn.RMSNorm / nn.RoPE (and the SwiGLU MLPs,
+test_exp_ops.py) through them."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -89,62 +87,6 @@ def test_gradients_through_the_kernels():
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_swiglu_matches_float64_and_mlx_lm(dtype):
-    from mlx_lm.models.activations import swiglu
-
-    rng = np.random.default_rng(4)
-    for shape in [(1, 1, 1536), (2, 7, 64), (5,), (3, 13)]:  # lengths past and short of 8-wide vectors
-        gate = mx.array((rng.standard_normal(shape) * 6).astype(np.float32)).astype(dtype)
-        up = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-        got = mlx_h2o.swiglu(gate, up)
-        assert got.dtype == dtype and got.shape == gate.shape
-        ref = f64(gate) / (1 + np.exp(-f64(gate))) * f64(up)
-        np.testing.assert_allclose(f64(got), ref, rtol=TOL[dtype], atol=TOL[dtype])
-        np.testing.assert_allclose(f64(got), f64(swiglu(gate, up)), rtol=2 * TOL[dtype], atol=2 * TOL[dtype])
-    # Strided (transposed) inputs, and large |gate| on both sides (exp's range: sigmoid saturates to 0 / 1).
-    gate = mx.array(np.linspace(-90, 90, 64, dtype=np.float32).reshape(8, 8)).astype(dtype).T
-    up = mx.ones((8, 8), dtype)
-    ref = f64(gate) / (1 + np.exp(-f64(gate)))
-    np.testing.assert_allclose(f64(mlx_h2o.swiglu(gate, up)), ref, rtol=TOL[dtype], atol=TOL[dtype])
-
-
-def test_swiglu_gradient_and_bad_input():
-    rng = np.random.default_rng(5)
-    gate, up, g = (mx.array(rng.standard_normal((3, 40)).astype(np.float32)) for _ in range(3))
-    ours = mx.grad(lambda a, b: (mlx_h2o.swiglu(a, b) * g).sum(), argnums=(0, 1))(gate, up)
-    stock = mx.grad(lambda a, b: (a * mx.sigmoid(a) * b * g).sum(), argnums=(0, 1))(gate, up)
-    for a, b in zip(ours, stock):
-        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="one shape"):
-        mlx_h2o.swiglu(gate, up[:, :8])
-    with pytest.raises(ValueError, match="of one dtype"):
-        mlx_h2o.swiglu(gate, up.astype(mx.float16))
-    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
-        mlx_h2o.swiglu(gate.astype(mx.int32), up.astype(mx.int32))
-
-
-@pytest.mark.parametrize("module, name", sorted(cpu_layers.SWIGLU_MLPS))
-def test_swiglu_mlps_compute_what_the_kernel_replaces(module, name):
-    """The switch replaces these classes' call: it must still be exactly down_proj(swiglu(gate_proj(x), up_proj(x)))."""
-    source = inspect.getsource(getattr(importlib.import_module(module), name).__call__)
-    body = [line.strip() for line in source.splitlines()[1:] if line.strip()]
-    assert body == ["return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))"], source
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2"])
-def test_swiglu_mlps_of_other_architectures_agree_with_stock(arch):
-    model = tiny_model(arch)
-    tokens = mx.array([[3, 17, 99, 5, 42, 7]])
-    stock = np.array(model(tokens))
-    assert mlx_h2o.use_cpu_layer_kernels(model) > 0
-    assert all(isinstance(layer.mlp, cpu_layers.KernelSwiGLU) for layer in model.layers)
-    np.testing.assert_allclose(np.array(model(tokens)), stock, rtol=1e-4, atol=1e-4)
-    mlx_h2o.use_cpu_layer_kernels(model, False)
-    assert not any(isinstance(layer.mlp, cpu_layers.KernelSwiGLU) for layer in model.layers)
-    np.testing.assert_array_equal(np.array(model(tokens)), stock)
-
-
 def test_bad_input():
     x = mx.ones((1, 2, 3, 8))
     with pytest.raises(ValueError, match="dims must be even"):
@@ -163,7 +105,7 @@ def test_bad_input():
 
 def test_model_layers_use_the_kernels_and_agree_with_stock(monkeypatch):
     """A tiny llama switched to the kernels (use_cpu_layer_kernels(model), no model edits) decodes with
-    nn.RMSNorm / nn.RoPE through them, and its logits equal the stock layers' within float32
+    nn.RMSNorm / nn.RoPE / its MLPs through them, and its logits equal the stock layers' within float32
     rounding; switching back restores MLX's classes, and another model is never touched."""
     model = tiny_model("llama")
     bystander = tiny_model("llama")
@@ -182,13 +124,14 @@ def test_model_layers_use_the_kernels_and_agree_with_stock(monkeypatch):
     stock = logits()
     assert not calls
     layers = len(model.layers)
-    assert mlx_h2o.use_cpu_layer_kernels(model) == 4 * layers + 1  # 2 norms, rope, MLP per layer; final norm
+    switched = 4 * layers + 1  # 2 norms, rope, MLP per layer; final norm
+    assert mlx_h2o.use_cpu_layer_kernels(model) == switched
     assert cpu_layers.cpu_layer_kernels_used(bystander) == 0
     ours = logits()
     assert calls.count("rope") == 3 * 2 * layers and calls.count("rms_norm") == 3 * (2 * layers + 1)
     assert calls.count("swiglu") == 3 * layers
     calls.clear()
-    assert mlx_h2o.use_cpu_layer_kernels(model, False) == 4 * layers + 1
+    assert mlx_h2o.use_cpu_layer_kernels(model, False) == switched
     assert type(model.model.norm) is nn.RMSNorm
     np.testing.assert_array_equal(logits(), stock)
     assert not calls

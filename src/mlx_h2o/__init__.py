@@ -27,6 +27,7 @@ _EXPORTS = {
     "rope": ".cpu_layers",
     "swiglu": ".cpu_layers",
     "use_cpu_layer_kernels": ".cpu_layers",
+    "use_default_cpu_kernels": ".cpu_layers",
     "blas_backend": "._blas",
     "use_openblas": "._blas",
     "_ext": "._native",

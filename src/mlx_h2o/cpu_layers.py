@@ -107,8 +107,8 @@ def _on_cpu() -> bool:
 
 
 def kernels_by_default() -> bool:
-    """Whether models get these kernels unless asked otherwise: on the CPU, where MLX lacks them."""
-    return _on_cpu() and not mlx_has_layer_kernels()
+    """Whether models get kernels unless asked otherwise (`use_default_cpu_kernels`): on the CPU."""
+    return _on_cpu()
 
 
 class KernelRMSNorm(nn.RMSNorm):
@@ -212,13 +212,13 @@ KERNEL_CLASSES = {
 _STOCK_CLASSES = {ours: stock for stock, ours in KERNEL_CLASSES.items()}
 
 
-def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True) -> int:
+def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True, *, swiglu_only: bool = False) -> int:
     """Switch `model`'s nn.RMSNorm, nn.RoPE, nn.QuantizedLinear, nn.QuantizedEmbedding and SWIGLU_MLPS
     modules to the kernel subclasses above (enabled=True) or back to MLX's classes (enabled=False), in place;
-    returns how many modules changed. Only this model is affected."""
+    returns how many modules changed. Only this model is affected. swiglu_only: the SwiGLU MLPs alone."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"use_cpu_layer_kernels needs an mlx.nn.Module, got {type(model).__name__}")
-    table = KERNEL_CLASSES if enabled else _STOCK_CLASSES
+    table = {} if enabled and swiglu_only else KERNEL_CLASSES if enabled else _STOCK_CLASSES
     changed = 0
     for _, module in model.named_modules():
         cls = type(module)
@@ -231,6 +231,13 @@ def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True) -> int:
             module.__class__ = new
             changed += 1
     return changed
+
+
+def use_default_cpu_kernels(model: nn.Module) -> int:
+    """What `mlx_h2o.load()` and `run_mlx_lm` do to a model on the CPU: every kernel on stock MLX; on the
+    fork's MLX, which runs the norm, RoPE, quantized-layer and attention kernels itself, the SwiGLU MLPs
+    only (MLX has no op for them). Returns how many modules changed."""
+    return use_cpu_layer_kernels(model, swiglu_only=mlx_has_layer_kernels())
 
 
 def cpu_layer_kernels_used(model: nn.Module) -> int:

@@ -74,12 +74,12 @@ def shard(model: nn.Module, group: Optional[mx.distributed.Group] = None) -> nn.
             raise ValueError(f"tensor parallel over {N} ranks needs the query and kv heads to divide by {N}: "
                              f"{type(module).__name__} has {heads} query and {kv_heads} kv heads "
                              f"(use a group size that divides {kv_heads}, or pipeline())")
-    from .cpu_layers import cpu_layer_kernels_used, use_cpu_layer_kernels
+    from .cpu_layers import KERNEL_CLASSES, use_cpu_layer_kernels
 
-    kernels = cpu_layer_kernels_used(model) > 0
+    layer_kernels = any(type(m) in KERNEL_CLASSES.values() for _, m in model.named_modules())
     model.shard(group)
-    if kernels:
-        use_cpu_layer_kernels(model)  # shard_linear made stock sharded layers
+    if layer_kernels:
+        use_cpu_layer_kernels(model)  # shard_linear made stock sharded layers (the MLPs keep their class)
     return model
 
 

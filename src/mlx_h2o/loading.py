@@ -207,13 +207,17 @@ def load(path: Optional[str] = None, weights: Optional[str] = None, cpu_kernels:
     """(model, tokenizer). No path: the embedded SmolLM2-135M-Instruct GGUF. A .gguf path: that file.
     A directory: any mlx-lm model (mlx_lm.load). Nothing is downloaded.
 
-    cpu_kernels: switch the returned model's norm, RoPE and quantized layers to mlx-h2o's CPU kernels
-    (`use_cpu_layer_kernels(model)`; this model only). Default: on when the default device is the
-    CPU and this MLX does not run such kernels itself (the fork's MLX does)."""
+    cpu_kernels: True switches the returned model's norm, RoPE, quantized layers and SwiGLU MLPs to
+    mlx-h2o's CPU kernels (`use_cpu_layer_kernels(model)`; this model only), False keeps MLX's and
+    mlx-lm's. Default: on the CPU, `use_default_cpu_kernels(model)` (all of them on stock MLX; on the
+    fork's MLX, which runs the others itself, the SwiGLU MLPs only)."""
     model, tokenizer = _load_model(path, weights)
-    from .cpu_layers import kernels_by_default, use_cpu_layer_kernels
+    from .cpu_layers import kernels_by_default, use_cpu_layer_kernels, use_default_cpu_kernels
 
-    if kernels_by_default() if cpu_kernels is None else cpu_kernels:
+    if cpu_kernels is None:
+        if kernels_by_default():
+            use_default_cpu_kernels(model)
+    elif cpu_kernels:
         use_cpu_layer_kernels(model)
     return model, tokenizer
 

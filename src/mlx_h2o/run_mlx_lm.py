@@ -1,13 +1,14 @@
 """`python -m mlx_h2o.run_mlx_lm COMMAND ARGS...`: an mlx-lm command (generate, chat, server,
 cache_prompt, ...) sped up on stock MLX, for this process only: MLX's CPU matmuls on NumPy's OpenBLAS
 (`use_openblas()`: the mlx-cpu wheel's own BLAS is a reference one, ~5x slower on a SmolLM2 prefill)
-and every model mlx-lm loads switched to mlx-h2o's CPU layer kernels (`use_cpu_layer_kernels`).
+and every model mlx-lm loads switched to mlx-h2o's CPU layer kernels (`use_default_cpu_kernels`).
 Everything else is mlx-lm's own command:
 
     python -m mlx_h2o.run_mlx_lm server --model DIR --kv-policy h2o --kv-option max_kv_size=512
 
-On the fork's MLX wheel (`scripts/series.py build mlx`) mlx-lm's own entry points get the same
-kernels from MLX itself and need no wrapper.
+On the fork's MLX wheel (`scripts/series.py build mlx`) mlx-lm's own entry points get the norm, RoPE,
+quantized-layer and attention kernels from MLX itself; this wrapper then adds the SwiGLU activation
+kernel only (cpu_layers.SWIGLU_MLPS), which MLX has no op for.
 """
 
 import runpy
@@ -17,11 +18,11 @@ from ._blas import use_openblas
 
 
 def _with_layer_kernels(load_model):
-    from .cpu_layers import use_cpu_layer_kernels
+    from .cpu_layers import use_default_cpu_kernels
 
     def load(*args, **kwargs):
         model, *rest = load_model(*args, **kwargs)
-        use_cpu_layer_kernels(model)
+        use_default_cpu_kernels(model)
         return (model, *rest)
 
     return load

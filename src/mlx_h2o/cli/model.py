@@ -17,9 +17,10 @@ def _layers_desc(model) -> str:
     from ..cpu_layers import cpu_layer_kernels_used, mlx_has_layer_kernels
 
     n = cpu_layer_kernels_used(model)
+    fork = "MLX's own (the fork's CPU kernels)" if mlx_has_layer_kernels() else None
     if n:
-        return f"{n} modules on mlx-h2o's CPU kernels"
-    return "MLX's own (the fork's CPU kernels)" if mlx_has_layer_kernels() else "MLX's own"
+        return f"{fork}; {n} MLPs on mlx-h2o's swiglu kernel" if fork else f"{n} modules on mlx-h2o's CPU kernels"
+    return fork or "MLX's own"
 
 
 def _load(args):

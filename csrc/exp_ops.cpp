@@ -1,10 +1,10 @@
-#include "activation.h"
+#include "exp_ops.h"
 
 #include <stdexcept>
 
 #include "mlx/backend/cpu/encoder.h"
 
-#include "kernels/activation_problem.h"
+#include "kernels/exp_ops_problem.h"
 #include "op_utils.h"
 
 namespace mlx_h2o {
@@ -41,6 +41,36 @@ void SwiGLUCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
 
 std::vector<mx::array> SwiGLUCPU::composed(const std::vector<mx::array>& inputs) {
   return {swiglu_composed(inputs[0], inputs[1], stream())};
+}
+
+mx::array logsumexp_last_axis(const mx::array& x, mx::StreamOrDevice s) {
+  if (x.ndim() < 1 || !is_float_dtype(x.dtype()) || x.shape(-1) == 0)
+    fail("x must be a float32, float16 or bfloat16 array with a non-empty last axis, got shape " + shape_str(x.shape()));
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu || x.size() == 0) return mx::logsumexp(x, -1, false, stream);
+  auto shape = x.shape();
+  shape.pop_back();
+  return mx::array(shape, x.dtype(), std::make_shared<LogSumExpCPU>(stream), {x});
+}
+
+void LogSumExpCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  const auto in = prepare_contiguous(inputs, outputs, enc);
+  LogSumExpProblem p;
+  p.M = in[0].shape(-1);
+  p.rows = static_cast<int64_t>(in[0].size()) / p.M;
+  p.x = in[0].data<void>();
+  p.type = elem_type(in[0].dtype());
+  p.out = outputs[0].data<void>();
+  enc.dispatch([p]() { logsumexp_cpu(p); });
+}
+
+void LogSumExpCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[logsumexp] no GPU kernel; the op uses mx.logsumexp on GPU streams");
+}
+
+std::vector<mx::array> LogSumExpCPU::composed(const std::vector<mx::array>& inputs) {
+  return {mx::logsumexp(inputs[0], -1, false, stream())};
 }
 
 }  // namespace mlx_h2o
