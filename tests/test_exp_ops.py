@@ -78,6 +78,19 @@ def test_swiglu_mlps_of_other_architectures_agree_with_stock(arch):
     np.testing.assert_array_equal(np.array(model(tokens)), stock)
 
 
+def test_swiglu_mlp_with_projections_of_two_dtypes_takes_mlx_lms_activation():
+    """Outside the kernel's domain (gate and up of two dtypes) the switched MLP computes what mlx-lm's does."""
+    model = tiny_model("llama")
+    mlp = model.layers[0].mlp
+    mlp.up_proj.update({"weight": mlp.up_proj.weight.astype(mx.float16)})
+    x = mx.random.normal((1, 3, mlp.gate_proj.weight.shape[1])).astype(mx.float16)  # gate float32, up float16
+    assert mlp.gate_proj(x).dtype != mlp.up_proj(x).dtype
+    stock = mlp(x)
+    mlx_h2o.use_cpu_layer_kernels(model)
+    assert isinstance(mlp, cpu_layers.KernelSwiGLU)
+    np.testing.assert_array_equal(np.array(mlp(x)), np.array(stock))
+
+
 def test_default_kernels_add_swiglu_where_mlx_runs_the_rest():
     """load()'s default: every kernel on stock MLX; on the fork's MLX (which runs norms, RoPE and the
     quantized layers itself) the SwiGLU MLPs only."""

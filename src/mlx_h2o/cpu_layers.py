@@ -176,7 +176,7 @@ class KernelQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
 
 
 # mlx-lm MLP classes whose call is exactly `down_proj(swiglu(gate_proj(x), up_proj(x)))`, by module and
-# name (tests/test_cpu_layers.py checks each class's source still says so).
+# name (tests/test_exp_ops.py checks each class's source still says so).
 SWIGLU_MLPS = {("mlx_lm.models.llama", "MLP"), ("mlx_lm.models.qwen2", "MLP"), ("mlx_lm.models.qwen3", "MLP"),
                ("mlx_lm.models.olmo2", "MLP")}
 
@@ -187,7 +187,12 @@ class KernelSwiGLU:
     def __call__(self, x):
         if not _on_cpu():
             return super().__call__(x)
-        return self.down_proj(_ext.swiglu(self.gate_proj(x), self.up_proj(x), None))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype != up.dtype or gate.shape != up.shape:  # the kernel's domain; mlx-lm's own otherwise
+            from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+            return self.down_proj(mlx_lm_swiglu(gate, up))
+        return self.down_proj(_ext.swiglu(gate, up, None))
 
 
 _kernel_mlps = {}
