@@ -106,11 +106,6 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def kernels_by_default() -> bool:
-    """Whether models get kernels unless asked otherwise (`use_default_cpu_kernels`): on the CPU."""
-    return _on_cpu()
-
-
 class KernelRMSNorm(nn.RMSNorm):
     """nn.RMSNorm whose CPU call is one kernel (MLX's CPU fallback composes 11 primitives)."""
 
@@ -239,9 +234,11 @@ def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True, *, swiglu_only
 
 
 def use_default_cpu_kernels(model: nn.Module) -> int:
-    """What `mlx_h2o.load()` and `run_mlx_lm` do to a model on the CPU: every kernel on stock MLX; on the
+    """What `mlx_h2o.load()` and `run_mlx_lm` do to a model: on the CPU, every kernel on stock MLX; on the
     fork's MLX, which runs the norm, RoPE, quantized-layer and attention kernels itself, the SwiGLU MLPs
-    only (MLX has no op for them). Returns how many modules changed."""
+    only (MLX has no op for them); off the CPU, nothing. Returns how many modules changed."""
+    if not _on_cpu():
+        return 0
     return use_cpu_layer_kernels(model, swiglu_only=mlx_has_layer_kernels())
 
 

@@ -212,11 +212,10 @@ def load(path: Optional[str] = None, weights: Optional[str] = None, cpu_kernels:
     mlx-lm's. Default: on the CPU, `use_default_cpu_kernels(model)` (all of them on stock MLX; on the
     fork's MLX, which runs the others itself, the SwiGLU MLPs only)."""
     model, tokenizer = _load_model(path, weights)
-    from .cpu_layers import kernels_by_default, use_cpu_layer_kernels, use_default_cpu_kernels
+    from .cpu_layers import use_cpu_layer_kernels, use_default_cpu_kernels
 
     if cpu_kernels is None:
-        if kernels_by_default():
-            use_default_cpu_kernels(model)
+        use_default_cpu_kernels(model)
     elif cpu_kernels:
         use_cpu_layer_kernels(model)
     return model, tokenizer

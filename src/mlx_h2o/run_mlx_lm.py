@@ -32,13 +32,11 @@ def main() -> None:
     use_openblas()  # before mlx-lm imports mlx.core
     import mlx_lm.utils
 
-    from .cpu_layers import kernels_by_default
-
-    if kernels_by_default():
-        # mlx-lm's load / sharded_load call load_model through the module: every model they return;
-        # sharded_load then shards it (stock sharded layers), so its result is switched again.
-        mlx_lm.utils.load_model = _with_layer_kernels(mlx_lm.utils.load_model)
-        mlx_lm.utils.sharded_load = _with_layer_kernels(mlx_lm.utils.sharded_load)
+    # mlx-lm's load / sharded_load call load_model through the module: every model they return;
+    # sharded_load then shards it (stock sharded layers), so its result is switched again. Off the CPU
+    # the switch does nothing (use_default_cpu_kernels).
+    mlx_lm.utils.load_model = _with_layer_kernels(mlx_lm.utils.load_model)
+    mlx_lm.utils.sharded_load = _with_layer_kernels(mlx_lm.utils.sharded_load)
     sys.argv = ["mlx_lm", *sys.argv[1:]]
     runpy.run_module("mlx_lm", run_name="__main__", alter_sys=True)
 
