@@ -1,6 +1,6 @@
 """Decode step times of h2o against the full cache under mlx-lm's `generate_step`: the median, the
-99th percentile and the steps that stand out, so periodic work (the score bookkeeping evaluated
-every BOOKKEEPING_EVAL_EVERY tokens, compactions every evict_every) shows as what it costs.
+99th percentile and the steps that stand out, so periodic work (compactions every evict_every)
+shows as what it costs.
 
     python benchmarks/bench_h2o_steps.py                        # 512 and 2048 tokens of context, M = 512
     python benchmarks/bench_h2o_steps.py --contexts 8192 --rounds 2

@@ -11,7 +11,7 @@ column is written when something reads it, all waiting values in one write. A sc
 with each attention call's statistics by one fused op (`accumulate`) that reads entries appended
 since the last write as 0. At decode that is one op per layer and step instead of about ten (the
 appends' writes and the rule's slice, arithmetic and slice-update), which made every fourth h2o
-step, where the bookkeeping is evaluated, ~1.5x the others (docs/cpu-decode.md).
+step, where the bookkeeping was evaluated, ~1.5x the others (docs/cpu-decode.md).
 
 Dead rows (`masks_shared`): rows shared with copies of the store (storage/kv.py, a prompt-cache
 snapshot that N requests fork) would be copied by the first compaction, into each request. Instead a

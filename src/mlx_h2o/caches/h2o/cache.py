@@ -41,13 +41,6 @@ from .lane import join_outputs, make_lanes
 from .options import H2OConfig
 from .spread import attention_entropy
 
-# Score updates are nothing the model's output depends on: unevaluated, they would chain every
-# step's scores until the next eviction reads them (~0.4 MB a token for SmolLM2, so without
-# evictions, under a large M, memory would grow with every token). They are evaluated every this
-# many tokens (one call per layer each time, not every step: 4 steps of SmolLM2 scores are
-# ~1.5 MB a sequence).
-BOOKKEEPING_EVAL_EVERY = 4
-
 NO_SCORES = ("h2o: this model computes attention without mlx_lm.models.base.scaled_dot_product_attention (or the hook "
              "was removed), so the cache gets no attention scores; it keeps sink + recent entries instead (a sliding window)")
 
@@ -157,8 +150,6 @@ class H2OKVCache(SharesGroup, AttendingCache):
 
     # ------------------------------------------------------------------ the layer's calls
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if self.lanes is not None and self.offset % BOOKKEEPING_EVAL_EVERY == 0:
-            mx.async_eval([lane.bookkeeping() for lane in self.lanes])
         if self._awaiting_scores and not self.scoreless:
             warnings.warn(NO_SCORES, RuntimeWarning, stacklevel=2)
         self.scoreless |= self._awaiting_scores

@@ -109,12 +109,17 @@ class Lane:
         if T:
             self.archive.accumulate("acc", stats[..., :T], alpha, beta)
         store.accumulate("acc", stats[..., T:] if T else stats, alpha, beta)
-        return store.restore_output(out, queries.dtype), raw
+        return mx.depends(store.restore_output(out, queries.dtype), self.updates()), raw
 
-    def bookkeeping(self) -> list:
-        """The arrays attention updates lazily (score columns, query statistics): nothing the model's
-        output depends on, so they are evaluated only when evaluated on purpose."""
-        columns = [store.written_columns() for store in self.stores() if store.columns]
+    def updates(self) -> list:
+        """What attention updates beside its output (the score columns, the running query
+        statistics): each call's update reads the last one's, so left unevaluated they would chain
+        every step's scores until the next eviction read them (~0.4 MB a token for SmolLM2, growing
+        without bound under an M not reached). The output depends on them, so they are evaluated
+        with the step: a separate evaluation of them every few tokens (an `async_eval` per layer,
+        60-300 µs each) cost more than their few primitives."""
+        # (Array values waiting in a column, an eviction's, chain nothing: the next read writes them.)
+        columns = [a for store in self.stores() if store.columns for a in store.columns.values()]
         return columns + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
 
     def trimmable(self, n: int, offset: int) -> int:
