@@ -306,10 +306,8 @@ static inline void qk_rows_int8(const KV& K, const QueryInt8& qi, int r0, const 
       for (; c + 2 <= blocks; c += 2) {
         const U4Pair W = load_u4_pair(kr.w + c * block_bytes);
         const float s0 = SE::load1(kr.scale + c / bpg), s1 = SE::load1(kr.scale + (c + 1) / bpg);
-        for (int r = 0; r < RR; ++r) {
-          const __m256 f = _mm256_set_m128(_mm_set1_ps(s1 * d[r][c + 1]), _mm_set1_ps(s0 * d[r][c]));
-          a[r] += __builtin_convertvector(dot_pair(W, xq[r] + c * QBLOCK), v8f) * bitcast<v8f>(f);
-        }
+        for (int r = 0; r < RR; ++r)
+          a[r] += __builtin_convertvector(dot_pair(W, xq[r] + c * QBLOCK), v8f) * pair_factors(s0 * d[r][c], s1 * d[r][c + 1]);
       }
     }
 #endif

@@ -159,5 +159,17 @@ struct BF16Elem {
   static float load1(const uint16_t* p) { return bf16_to_float(*p); }
 };
 
+// f(E{}) with the element type (F32Elem, F16Elem, BF16Elem) of a float ElemType: the one place the
+// kernels enumerate float formats. Any other type runs nothing: the ops reject it before a kernel runs.
+template <class F>
+static void with_float_elem(ElemType type, F&& f) {
+  switch (type) {
+    case ElemType::float32: f(F32Elem{}); return;
+    case ElemType::float16: f(F16Elem{}); return;
+    case ElemType::bfloat16: f(BF16Elem{}); return;
+    default: return;
+  }
+}
+
 }  // namespace MLX_H2O_ISA_NS
 }  // namespace mlx_h2o

@@ -79,21 +79,11 @@ static void run_logsumexp(const LogSumExpProblem& p) {
 }
 
 static void logsumexp_cpu_entry(const LogSumExpProblem& p) {
-  switch (p.type) {
-    case ElemType::float32: run_logsumexp<F32Elem>(p); return;
-    case ElemType::float16: run_logsumexp<F16Elem>(p); return;
-    case ElemType::bfloat16: run_logsumexp<BF16Elem>(p); return;
-    default: return;  // rejected by the caller
-  }
+  with_float_elem(p.type, [&](auto elem) { run_logsumexp<decltype(elem)>(p); });
 }
 
 static void swiglu_cpu_entry(const SwiGLUProblem& p) {
-  switch (p.type) {
-    case ElemType::float32: run_swiglu<F32Elem>(p); return;
-    case ElemType::float16: run_swiglu<F16Elem>(p); return;
-    case ElemType::bfloat16: run_swiglu<BF16Elem>(p); return;
-    default: return;  // rejected by the op
-  }
+  with_float_elem(p.type, [&](auto elem) { run_swiglu<decltype(elem)>(p); });
 }
 
 }  // namespace MLX_H2O_ISA_NS

@@ -74,6 +74,11 @@ static inline U4Pair load_u4_pair(const uint8_t* p) {
   const __m256i nibble = _mm256_set1_epi8(0x0f);
   return {_mm256_and_si256(raw, nibble), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble)};
 }
+/** Per lane of dot_pair's sums, the factor of its block: f0 for block c's lanes (0-3), f1 for block
+ *  c + 1's (4-7). */
+static inline v8f pair_factors(float f0, float f1) {
+  return bitcast<v8f>(_mm256_set_m128(_mm_set1_ps(f1), _mm_set1_ps(f0)));
+}
 /** 8 int32 partial sums of the pair against 64 activations in the pair layout: lanes 0-3 are block
  *  c's, lanes 4-7 block c + 1's. Each int16 sum of the two maddubs adds four products of at most
  *  15 * 127: no saturation. */

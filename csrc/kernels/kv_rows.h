@@ -91,12 +91,8 @@ struct QuantLoader {
 template <class F>
 static void with_loader(const KVSource& src, F&& f) {
   if (!src.quantized) {
-    switch (src.dense.type) {
-      case ElemType::float32: f(DenseLoader<F32Elem>(src)); return;
-      case ElemType::float16: f(DenseLoader<F16Elem>(src)); return;
-      case ElemType::bfloat16: f(DenseLoader<BF16Elem>(src)); return;
-      default: return;  // rejected by the op
-    }
+    with_float_elem(src.dense.type, [&](auto elem) { f(DenseLoader<decltype(elem)>(src)); });
+    return;
   }
   auto by_bits = [&](auto scale_elem) {
     using SE = decltype(scale_elem);
@@ -110,12 +106,7 @@ static void with_loader(const KVSource& src, F&& f) {
       default: return;  // rejected by the op
     }
   };
-  switch (src.scales.type) {
-    case ElemType::float32: by_bits(F32Elem{}); return;
-    case ElemType::float16: by_bits(F16Elem{}); return;
-    case ElemType::bfloat16: by_bits(BF16Elem{}); return;
-    default: return;
-  }
+  with_float_elem(src.scales.type, by_bits);
 }
 
 }  // namespace MLX_H2O_ISA_NS

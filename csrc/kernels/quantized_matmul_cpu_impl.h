@@ -60,10 +60,8 @@ static inline int add_u4_pairs(const uint8_t* wr, const typename SE::Storage* sr
   for (; c + 2 <= blocks; c += 2) {
     const U4Pair W = load_u4_pair(wr + c * block_bytes);
     const float s0 = SE::load1(sr + (c >> group_shift)), s1 = SE::load1(sr + ((c + 1) >> group_shift));
-    for (int r = 0; r < RR; ++r) {
-      const __m256 fc = _mm256_set_m128(_mm_set1_ps(s1 * xd[r][c + 1]), _mm_set1_ps(s0 * xd[r][c]));
-      even[r] += __builtin_convertvector(dot_pair(W, xq[r] + c * QBLOCK), v8f) * bitcast<v8f>(fc);
-    }
+    for (int r = 0; r < RR; ++r)
+      even[r] += __builtin_convertvector(dot_pair(W, xq[r] + c * QBLOCK), v8f) * pair_factors(s0 * xd[r][c], s1 * xd[r][c + 1]);
   }
   return c;
 }
@@ -139,14 +137,7 @@ struct Bits {
 };
 template <int... Bs, class F>
 static void with_weight_format(const PackedWeights& W, F&& f) {
-  auto by_scale = [&](auto bits) {
-    switch (W.scale_type) {
-      case ElemType::float32: f(bits, F32Elem{}); return;
-      case ElemType::float16: f(bits, F16Elem{}); return;
-      case ElemType::bfloat16: f(bits, BF16Elem{}); return;
-      default: return;  // rejected by the op
-    }
-  };
+  auto by_scale = [&](auto bits) { with_float_elem(W.scale_type, [&](auto scale_elem) { f(bits, scale_elem); }); };
   ((W.bits == Bs ? by_scale(Bits<Bs>{}) : void()), ...);
 }
 
