@@ -17,7 +17,8 @@
 #   6  fork      the package's suite against the custom wheels (build/venv-fork)       ~9 min
 # (each suite includes tests/test_distributed.py: ranks under mlx.launch, ~3 min stock, ~1.5 min fork)
 # Measured warm (fresh clone, warm ccache): 31 min on 2026-11-26; cold (empty ccache) adds the ~6 min
-# of MLX builds (27 min cold before the distributed tests); --quick: 14 min.
+# of MLX builds (27 min cold before the distributed tests); --quick: 14 min. On a slower machine of the
+# class (Intel Xeon 2.5 GHz), warm: 54 min on 2026-11-27 (stock 24, wheels 4, mlx 4, mlx-lm 4, fork 18).
 #
 # Usage: ci/run.sh [--quick] [PYTEST_ARGS...]   (pytest arguments apply to steps 1 and 6)
 set -euo pipefail
