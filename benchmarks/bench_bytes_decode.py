@@ -102,10 +102,11 @@ def main(argv=None):
     args_model = model.args
     kernel = kernel_times(mx, M, args_model.num_attention_heads, args_model.num_key_value_heads,
                           args_model.hidden_size // args_model.num_attention_heads)
-    total = {name: statistics.median([a + b for a, b in zip(build[name], run[name])]) for name in caches}
+    steps = {name: [a + b for a, b in zip(build[name], run[name])] for name in caches}
+    total = {name: statistics.median(t) for name, t in steps.items()}
     # Speed is tokens over time: the mean step, which counts the steps that do periodic work (a
     # compaction every evict_every tokens) that the median leaves out.
-    mean = {name: statistics.fmean([a + b for a, b in zip(build[name], run[name])]) for name in caches}
+    mean = {name: statistics.fmean(t) for name, t in steps.items()}
     window = mean.get("window fp")
     print(f"\n### Decode steps at {args.fraction:g} of the full cache's bytes, {args.context} tokens "
           f"({args.steps} steps each, alternating; load {load:.2f} at start, {os.getloadavg()[0]:.2f} at end)")

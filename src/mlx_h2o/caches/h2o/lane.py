@@ -118,9 +118,9 @@ class Lane:
         without bound under an M not reached). The output depends on them, so they are evaluated
         with the step: a separate evaluation of them every few tokens (an `async_eval` per layer,
         60-300 µs each) cost more than their few primitives."""
-        # (Array values waiting in a column, an eviction's, chain nothing: the next read writes them.)
-        columns = [a for store in self.stores() if store.columns for a in store.columns.values()]
-        return columns + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
+        # (The other columns change only at an append or an eviction, not from step to step.)
+        scores = [store.columns["acc"] for store in self.stores() if store.columns]
+        return scores + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
 
     def trimmable(self, n: int, offset: int) -> int:
         """How many of the newest n tokens this lane can forget: its trailing run of consecutive
