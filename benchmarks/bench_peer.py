@@ -5,6 +5,7 @@ cache and h2o with M = --budget, default 512); one ratio per row.
     python benchmarks/bench_peer.py [--quick] [--contexts 512 2048 8192] [--caches full h2o full:kv_dtype=float16]
         [--budget 512] [--gen 64] [--rounds 2]
         [--threads 2] [--peer-python build/venv-llamacpp/bin/python] [--ours stock=PYTHON fork=build/venv-fork/bin/python]
+        [--allocators glibc mmap]
         [--max-load 1.0] [--allow-load]
 
 --ours names each mlx-h2o path and the python that runs it: the default is this python (stock MLX
@@ -41,6 +42,7 @@ import sys
 import time
 
 PREFILL_CHUNK = 512
+MMAP_SUFFIX = "+mmap"  # an mlx-h2o path's rows with freed large buffers returned to the system (--allocators)
 DEFAULT_PEER_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "venv-llamacpp", "bin", "python")
 
 
@@ -83,10 +85,12 @@ def worker_peer(model_path, tokens, gen, threads):
     return dict(prefill_s=t1 - t0, decode_s=t2 - t1, tokens=out)
 
 
-def worker_ours(tokens, gen, spec, budget):
+def worker_ours(tokens, gen, spec, budget, allocator):
     import mlx_h2o  # isort: skip
 
     mlx_h2o.use_openblas()  # before mlx.core loads
+    if allocator == "mmap":
+        mlx_h2o.use_mmap_for_large_buffers()  # opt-in (--allocators mmap)
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -112,7 +116,7 @@ def run_worker(args):
     if args.worker == "peer":
         r = worker_peer(args.model_path, tokens, args.gen, args.threads)
     else:
-        r = worker_ours(tokens, args.gen, args.worker.split(":", 2)[2], args.budget)
+        r = worker_ours(tokens, args.gen, args.worker.split(":", 2)[2], args.budget, args.allocator)
     r["peak_rss_mib"] = peak_rss_mib()
     print(json.dumps(r))
 
@@ -162,11 +166,15 @@ def measure(engine, tokens, args):
     if engine == "peer":
         python = args.peer_python
     else:
-        python = args.ours[engine.split(":")[1]]
+        path = engine.split(":")[1]
+        mmap = path.endswith(MMAP_SUFFIX)
+        python = args.ours[path.removesuffix(MMAP_SUFFIX)]
         if os.path.abspath(python) != sys.executable:  # another venv: its own installed mlx_h2o
             env.pop("PYTHONPATH", None)
     cmd = [python, os.path.abspath(__file__), "--worker", engine, "--gen", str(args.gen), "--threads", str(args.threads),
            "--model-path", args.model_path, "--budget", str(args.budget)]
+    if engine != "peer":
+        cmd += ["--allocator", "mmap" if mmap else "glibc"]
     r = subprocess.run(cmd, input=json.dumps(tokens), capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{engine} worker failed:\n{r.stderr[-3000:]}")
@@ -186,6 +194,9 @@ def main():
                     help="mlx-h2o's caches, as policy specs (NAME[:KEY=VALUE,...]; a bounded one without a budget "
                          "gets max_kv_size=--budget), e.g. full:kv_dtype=float16")
     ap.add_argument("--budget", type=int, default=512, help="max_kv_size M of mlx-h2o's h2o cache")
+    ap.add_argument("--allocators", nargs="+", choices=["glibc", "mmap"], default=["glibc"],
+                    help="mlx-h2o's processes with the C allocator as it comes (glibc) and/or with freed large buffers "
+                         "returned to the system (mmap: mlx_h2o.use_mmap_for_large_buffers(); rows marked " + MMAP_SUFFIX + ")")
     ap.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON, help="a python with llama-cpp-python installed")
     ap.add_argument("--ours", nargs="+", default=[f"stock={sys.executable}"], metavar="NAME=PYTHON",
                     help="mlx-h2o paths to measure, each a name and the python that runs it")
@@ -193,6 +204,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="512 context, 32 tokens, 1 round")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
+    ap.add_argument("--allocator", default="glibc", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return run_worker(args)
@@ -217,7 +229,8 @@ def main():
         sys.exit(f"no llama-cpp-python at {args.peer_python}; see this file's docstring, or pass --peer-python")
     print(f"uptime before: {os.popen('uptime').read().strip()}", flush=True)
     wait_quiet(args, first=True)
-    engines = ["peer"] + [f"ours:{path}:{c}" for path in args.ours for c in args.caches]
+    engines = ["peer"] + [f"ours:{path}{MMAP_SUFFIX if a == 'mmap' else ''}:{c}"
+                          for path in args.ours for a in args.allocators for c in args.caches]
     runs = {}
     worst = (0.0, 0.0)
     for ctx in args.contexts:

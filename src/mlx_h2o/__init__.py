@@ -4,7 +4,8 @@ Importing the package changes nothing in MLX or mlx-lm and loads nothing heavy: 
 are imported on first use. Speed-ups that touch MLX are explicit calls on what you hand them:
 `load()` switches the returned model's layers to the CPU kernels (`use_cpu_layer_kernels(model)`
 for other models), `use_openblas()` routes MLX's CPU matmuls to OpenBLAS for the process (call it
-before anything imports mlx.core, or set MLX_H2O_BLAS=openblas).
+before anything imports mlx.core, or set MLX_H2O_BLAS=openblas), and `use_mmap_for_large_buffers()`
+makes the process return freed large buffers to the system (a lower peak RSS, a slower prefill).
 """
 
 import importlib
@@ -28,6 +29,7 @@ _EXPORTS = {
     "swiglu": ".cpu_layers",
     "use_cpu_layer_kernels": ".cpu_layers",
     "use_default_cpu_kernels": ".cpu_layers",
+    "use_mmap_for_large_buffers": "._allocator",
     "blas_backend": "._blas",
     "use_openblas": "._blas",
     "_ext": "._native",

@@ -1,0 +1,50 @@
+"""Large buffers in their own memory maps, returned to the system when freed (glibc).
+
+MLX's CPU allocator takes each buffer from `malloc` (keeping up to 32 MB of freed ones for reuse).
+glibc serves a request of more than its mmap threshold with a mapping of its own, but the threshold
+starts at 128 KiB and rises to the size of every such mapping freed, up to 32 MiB. A KV cache grows in
+steps and a prefill frees large temporaries, so after the first such mapping is freed the rest come
+from the heap, and freed heap memory stays with the process: after a 2048-token prefill and decode
+of the embedded SmolLM2, over a quarter of the process's resident memory (benchmarks/audit_memory.py,
+docs/cpu-decode.md "Memory: every buffer above 1 MiB"). `use_mmap_for_large_buffers()` fixes the
+threshold, so every buffer above it is its own mapping again and goes back to the system when MLX
+frees it.
+
+The price: every large allocation that misses MLX's buffer cache then maps and faults in fresh
+pages (an h2o prefill, whose attention takes up to 32 MiB of scratch per call, ran ~15 % slower).
+It changes the C allocator for the whole process, so it is opt-in, and the `mlx-h2o` command does not
+call it; importing mlx_h2o does not either. This module must not import MLX.
+"""
+
+import ctypes
+import sys
+
+DEFAULT_THRESHOLD = 128 * 1024  # glibc's own starting threshold, kept fixed
+MAX_THRESHOLD = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+
+_state = {"threshold": None}
+
+
+def use_mmap_for_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
+    """Serve every allocation of more than `threshold` bytes (4 KiB to 32 MiB) from its own memory
+    map for the rest of this process, so that freed buffers go back to the system instead of staying
+    in the heap. Returns whether it took effect (glibc on Linux only)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or not 4096 <= threshold <= MAX_THRESHOLD:
+        raise ValueError(f"threshold must be an integer number of bytes from 4096 to {MAX_THRESHOLD}, got {threshold!r}")
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # glibc (musl has no mallopt parameters)
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if mallopt(_M_MMAP_THRESHOLD, threshold) != 1:
+        return False
+    _state["threshold"] = threshold
+    return True
+
+
+def mmap_threshold():
+    """The threshold `use_mmap_for_large_buffers` fixed in this process, or None (the C allocator's own)."""
+    return _state["threshold"]
