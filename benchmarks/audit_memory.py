@@ -124,10 +124,9 @@ def rss_now_and_peak():
 def malloc_trim():
     """Give the C allocator's free heap memory back to the system (glibc); False where there is none."""
     import ctypes
-    import ctypes.util
 
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        ctypes.CDLL(None).malloc_trim(0)
         return True
     except (OSError, AttributeError):
         return False
@@ -155,6 +154,7 @@ def main():
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
+    from bench_peer import PREFILL_CHUNK
     from mlx_h2o.evaluation import load_corpus, token_samples
     from mlx_h2o.evaluation.runner import parse_specs
 
@@ -170,7 +170,7 @@ def main():
     mx.reset_peak_memory()
     print(f"prefill and {args.gen} decode steps, cache {args.cache}, allocator {args.allocator} ...", flush=True)
     steps = generate_step(mx.array(tokens), model, max_tokens=args.gen, sampler=lambda lp: mx.argmax(lp, axis=-1),
-                          prompt_cache=cache, prefill_step_size=512)
+                          prompt_cache=cache, prefill_step_size=PREFILL_CHUNK)
     for _ in steps:
         pass
     del steps
@@ -219,7 +219,7 @@ def main():
     print(f"| {active / MIB:.2f} | {reached / MIB:.2f} | {cached / MIB:.2f} | {peak / MIB:.2f} |")
 
     regions = smaps_regions(min_bytes)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = rss_now_and_peak()[1]
     with open("/proc/self/status") as f:
         status = {line.split(":")[0]: line.split(":")[1].strip() for line in f}
     print(f"\nprocess memory maps with at least {args.min_mib:g} MiB resident (RSS now {status['VmRSS']}, "

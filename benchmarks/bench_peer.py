@@ -164,17 +164,15 @@ def measure(engine, tokens, args):
     env = {**os.environ, "MLX_H2O_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads),
            "OMP_NUM_THREADS": str(args.threads)}
     if engine == "peer":
-        python = args.peer_python
+        python, allocator = args.peer_python, []
     else:
         path = engine.split(":")[1]
-        mmap = path.endswith(MMAP_SUFFIX)
         python = args.ours[path.removesuffix(MMAP_SUFFIX)]
+        allocator = ["--allocator", "mmap" if path.endswith(MMAP_SUFFIX) else "glibc"]
         if os.path.abspath(python) != sys.executable:  # another venv: its own installed mlx_h2o
             env.pop("PYTHONPATH", None)
     cmd = [python, os.path.abspath(__file__), "--worker", engine, "--gen", str(args.gen), "--threads", str(args.threads),
-           "--model-path", args.model_path, "--budget", str(args.budget)]
-    if engine != "peer":
-        cmd += ["--allocator", "mmap" if mmap else "glibc"]
+           "--model-path", args.model_path, "--budget", str(args.budget), *allocator]
     r = subprocess.run(cmd, input=json.dumps(tokens), capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{engine} worker failed:\n{r.stderr[-3000:]}")

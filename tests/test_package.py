@@ -43,7 +43,8 @@ def test_blas_backend_reports_late_import():
 
 
 # Importing mlx_h2o and every module of it, first or after MLX, must leave MLX and mlx-lm as they
-# were: the same layer methods, mlx-lm's attention function, and no BLAS shim in the process.
+# were: the same layer methods, mlx-lm's attention function, no BLAS shim in the process, and the C
+# allocator's own mmap threshold.
 _IMPORT_CHANGES_NOTHING = """
 import importlib, pkgutil, sys
 {first}
@@ -63,6 +64,7 @@ changed = [f"{{c.__name__}}.{{m}}" for (c, m), f in before.items() if getattr(c,
 assert not changed, f"rebound at import: {{changed}}"
 assert (base.scaled_dot_product_attention, base.scaled_dot_product_attention.__code__) == sdpa
 assert "libmlx_h2o_blas" not in open("/proc/self/maps").read(), "BLAS shim loaded at import"
+assert mlx_h2o._allocator.mmap_threshold() is None, "the C allocator's mmap threshold set at import"
 print("unchanged", mlx_h2o.blas_backend())
 """
 
