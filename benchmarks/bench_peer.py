@@ -5,7 +5,7 @@ cache and h2o with M = --budget, default 512); one ratio per row.
     python benchmarks/bench_peer.py [--quick] [--contexts 512 2048 8192] [--caches full h2o full:kv_dtype=float16]
         [--budget 512] [--gen 64] [--rounds 2]
         [--threads 2] [--peer-python build/venv-llamacpp/bin/python] [--ours stock=PYTHON fork=build/venv-fork/bin/python]
-        [--allocators glibc mmap]
+        [--allocators glibc mmap] [--isas best avx2]
         [--max-load 1.0] [--allow-load]
 
 --ours names each mlx-h2o path and the python that runs it: the default is this python (stock MLX
@@ -42,7 +42,9 @@ import sys
 import time
 
 PREFILL_CHUNK = 512
-MMAP_SUFFIX = "+mmap"  # an mlx-h2o path's rows with freed large buffers returned to the system (--allocators)
+# Options of an mlx-h2o path's processes, each marking its rows with "+OPTION" after the path's name:
+MMAP_OPTION = "mmap"  # freed large buffers returned to the system (--allocators)
+ISA_OPTIONS = ("avx2", "portable")  # an older kernel variant than this CPU's best (--isas, MLX_H2O_KERNEL_ISA)
 DEFAULT_PEER_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "venv-llamacpp", "bin", "python")
 
 
@@ -166,9 +168,11 @@ def measure(engine, tokens, args):
     if engine == "peer":
         python, allocator = args.peer_python, []
     else:
-        path = engine.split(":")[1]
-        python = args.ours[path.removesuffix(MMAP_SUFFIX)]
-        allocator = ["--allocator", "mmap" if path.endswith(MMAP_SUFFIX) else "glibc"]
+        name, *options = engine.split(":")[1].split("+")
+        python = args.ours[name]
+        allocator = ["--allocator", "mmap" if MMAP_OPTION in options else "glibc"]
+        env.pop("MLX_H2O_KERNEL_ISA", None)
+        env.update({"MLX_H2O_KERNEL_ISA": o for o in options if o in ISA_OPTIONS})
         if os.path.abspath(python) != sys.executable:  # another venv: its own installed mlx_h2o
             env.pop("PYTHONPATH", None)
     cmd = [python, os.path.abspath(__file__), "--worker", engine, "--gen", str(args.gen), "--threads", str(args.threads),
@@ -194,7 +198,10 @@ def main():
     ap.add_argument("--budget", type=int, default=512, help="max_kv_size M of mlx-h2o's h2o cache")
     ap.add_argument("--allocators", nargs="+", choices=["glibc", "mmap"], default=["glibc"],
                     help="mlx-h2o's processes with the C allocator as it comes (glibc) and/or with freed large buffers "
-                         "returned to the system (mmap: mlx_h2o.use_mmap_for_large_buffers(); rows marked " + MMAP_SUFFIX + ")")
+                         "returned to the system (mmap: mlx_h2o.use_mmap_for_large_buffers(); rows marked +mmap)")
+    ap.add_argument("--isas", nargs="+", choices=("best",) + ISA_OPTIONS, default=["best"],
+                    help="mlx-h2o's kernel variants: best (the one this CPU runs) and/or an older one forced with "
+                         "MLX_H2O_KERNEL_ISA (rows marked +avx2, +portable): an A/B of the kernels in one run")
     ap.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON, help="a python with llama-cpp-python installed")
     ap.add_argument("--ours", nargs="+", default=[f"stock={sys.executable}"], metavar="NAME=PYTHON",
                     help="mlx-h2o paths to measure, each a name and the python that runs it")
@@ -214,8 +221,8 @@ def main():
         labels = {spec: parse_specs([spec], [args.budget])[0].label for spec in args.caches}
     except ValueError as e:
         ap.error(f"--caches: {e}")
-    if any("=" not in o for o in args.ours):
-        ap.error("--ours takes NAME=PYTHON pairs, e.g. fork=build/venv-fork/bin/python")
+    if any("=" not in o or "+" in o.split("=")[0] or ":" in o.split("=")[0] for o in args.ours):
+        ap.error("--ours takes NAME=PYTHON pairs (no '+' or ':' in NAME), e.g. fork=build/venv-fork/bin/python")
     args.ours = dict(o.split("=", 1) for o in args.ours)
     missing = [p for p in args.ours.values() if not os.path.exists(p)]
     if missing:
@@ -227,8 +234,8 @@ def main():
         sys.exit(f"no llama-cpp-python at {args.peer_python}; see this file's docstring, or pass --peer-python")
     print(f"uptime before: {os.popen('uptime').read().strip()}", flush=True)
     wait_quiet(args, first=True)
-    engines = ["peer"] + [f"ours:{path}{MMAP_SUFFIX if a == 'mmap' else ''}:{c}"
-                          for path in args.ours for a in args.allocators for c in args.caches]
+    engines = ["peer"] + [f"ours:{path}{'+' + MMAP_OPTION if a == 'mmap' else ''}{'' if isa == 'best' else '+' + isa}:{c}"
+                          for path in args.ours for a in args.allocators for isa in args.isas for c in args.caches]
     runs = {}
     worst = (0.0, 0.0)
     for ctx in args.contexts:

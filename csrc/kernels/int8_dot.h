@@ -1,7 +1,8 @@
 // Integer dot products of int8 activations with packed 4-bit / 8-bit weights (llama.cpp's technique):
 // a row of activations is quantized once to int8 in blocks of 32 values (one float scale per block),
 // then each 32-value block of weights is unpacked once and dotted with the int8 block in integer
-// arithmetic (AVX2: maddubs + madd; portable: plain integer loops), giving 8 partial int32 sums.
+// arithmetic (AVX2: maddubs + madd; AVX512-VNNI: vpdpbusd, the same sums in one instruction;
+// portable: plain integer loops), giving 8 partial int32 sums.
 // Per-ISA kernel source (no include guard); needs simd.h.
 //
 // Layout of a quantized activation block (32 int8): for 4-bit weights the even columns first, then
@@ -58,8 +59,12 @@ static inline U4Block load_u4_block(const uint8_t* p) {
 }
 static inline v8i dot_block(const U4Block& b, const int8_t* xq) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+#if defined(MLX_H2O_ISA_VNNI)
+  return bitcast<v8i>(_mm256_dpbusd_epi32(_mm256_setzero_si256(), b.w, x));
+#else
   const __m256i pairs = _mm256_maddubs_epi16(b.w, x);  // |15 * 127 * 2| fits int16
   return bitcast<v8i>(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
 }
 
 /** Two consecutive 4-bit blocks c, c + 1 (32 packed bytes) unpacked with one 256-bit load: `lo` holds
@@ -85,8 +90,13 @@ static inline v8f pair_factors(float f0, float f1) {
 static inline v8i dot_pair(const U4Pair& b, const int8_t* xq) {
   const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
   const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + QBLOCK));
+#if defined(MLX_H2O_ISA_VNNI)
+  // Each int32 lane adds the same eight products in one instruction per half (no int16 step).
+  return bitcast<v8i>(_mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), b.lo, xl), b.hi, xh));
+#else
   const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(b.lo, xl), _mm256_maddubs_epi16(b.hi, xh));
   return bitcast<v8i>(_mm256_madd_epi16(sums, _mm256_set1_epi16(1)));
+#endif
 }
 /** Activations quantized for 4-bit weights (each block: even columns, then odd) into the pair
  *  layout: per pair of blocks, both blocks' even columns, then both blocks' odd ones. A trailing
@@ -113,8 +123,12 @@ static inline S8Block load_s8_block(const uint8_t* p) {
 }
 static inline v8i dot_block(const S8Block& b, const int8_t* xq) {
   const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), b.w);
+#if defined(MLX_H2O_ISA_VNNI)
+  return bitcast<v8i>(_mm256_dpbusd_epi32(_mm256_setzero_si256(), b.abs_w, x));
+#else
   const __m256i pairs = _mm256_maddubs_epi16(b.abs_w, x);
   return bitcast<v8i>(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
 }
 
 #else

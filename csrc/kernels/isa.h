@@ -4,12 +4,13 @@
 
 namespace mlx_h2o {
 
-enum class KernelIsa : int { portable = 0, avx2 = 1 };
+enum class KernelIsa : int { portable = 0, avx2 = 1, avx512vnni = 2 };
 
-/** The best variant this CPU supports; MLX_H2O_KERNEL_ISA=portable forces the portable one. */
+/** The best variant this CPU supports. MLX_H2O_KERNEL_ISA=portable / avx2 asks for an older one (for
+ *  tests and A/B runs); a variant the CPU lacks is never picked. */
 KernelIsa kernel_isa();
 
-/** Its name, e.g. "avx2+fma+f16c" or "portable". */
+/** Its name: "portable", "avx2+fma+f16c" or "avx2+fma+f16c+avx512vnni". */
 const char* kernel_isa_name();
 
 /** Thrown by the kernels' scratch allocations (kept out of the per-ISA code: no exception type is
