@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from bench_peer import ISA_OPTIONS, with_kernel_variant
+
 LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 STEP = "step"  # every product of a decode step in one evaluation
 
@@ -72,7 +74,7 @@ def main():
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--isa", nargs="+", default=["best"], choices=("best", "avx2", "portable"),
+    ap.add_argument("--isa", nargs="+", default=["best"], choices=("best",) + ISA_OPTIONS,
                     help="kernel variants to alternate (MLX_H2O_KERNEL_ISA; best: the one this CPU runs)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -89,10 +91,7 @@ def main():
     for rows in args.rows:
         for rnd in range(args.rounds):
             for threads, isa in runs if rnd % 2 == 0 else runs[::-1]:
-                env = {**os.environ, "MLX_H2O_NUM_THREADS": str(threads)}
-                env.pop("MLX_H2O_KERNEL_ISA", None)
-                if isa != "best":
-                    env["MLX_H2O_KERNEL_ISA"] = isa
+                env = with_kernel_variant({**os.environ, "MLX_H2O_NUM_THREADS": str(threads)}, isa)
                 step_us = 0.0
                 for layer in layers:
                     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--layer", layer, "--rows", str(rows),

@@ -48,6 +48,15 @@ ISA_OPTIONS = ("avx2", "portable")  # an older kernel variant than this CPU's be
 DEFAULT_PEER_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "venv-llamacpp", "bin", "python")
 
 
+def with_kernel_variant(env: dict, isa: str) -> dict:
+    """`env` for a process that runs kernel variant `isa`: "best" (the one its CPU runs) or one of
+    ISA_OPTIONS, forced with MLX_H2O_KERNEL_ISA (read once per process)."""
+    env = {k: v for k, v in env.items() if k != "MLX_H2O_KERNEL_ISA"}
+    if isa != "best":
+        env["MLX_H2O_KERNEL_ISA"] = isa
+    return env
+
+
 def prompt_tokens(context):
     import mlx_h2o
 
@@ -171,8 +180,7 @@ def measure(engine, tokens, args):
         name, *options = engine.split(":")[1].split("+")
         python = args.ours[name]
         allocator = ["--allocator", "mmap" if MMAP_OPTION in options else "glibc"]
-        env.pop("MLX_H2O_KERNEL_ISA", None)
-        env.update({"MLX_H2O_KERNEL_ISA": o for o in options if o in ISA_OPTIONS})
+        env = with_kernel_variant(env, next((o for o in options if o in ISA_OPTIONS), "best"))
         if os.path.abspath(python) != sys.executable:  # another venv: its own installed mlx_h2o
             env.pop("PYTHONPATH", None)
     cmd = [python, os.path.abspath(__file__), "--worker", engine, "--gen", str(args.gen), "--threads", str(args.threads),
