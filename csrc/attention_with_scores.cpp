@@ -32,6 +32,14 @@ struct KVShape {
   int B, H, n, D;
 };
 
+KVShape leading_rows(KVShape shape, int rows, const std::string& where) {
+  if (rows < -1 || rows > shape.n)
+    fail(where + ": rows must be -1 (all) or between 0 and the arrays' " + std::to_string(shape.n) + ", got " +
+         std::to_string(rows));
+  if (rows >= 0) shape.n = rows;
+  return shape;
+}
+
 KVShape check_kv(const KVInput& in, const char* name, int segment) {
   const std::string where = std::string(name) + " of segment " + std::to_string(segment);
   if (!in.quantized()) {
@@ -39,7 +47,7 @@ KVShape check_kv(const KVInput& in, const char* name, int segment) {
     const auto& a = in.arrays[0];
     if (a.ndim() != 4) fail(where + " must have 4 dimensions (B, Hkv, N, D), got shape " + shape_str(a.shape()));
     if (!is_float_dtype(a.dtype())) fail(where + ": dtype must be float32, float16 or bfloat16");
-    return {a.shape(0), a.shape(1), a.shape(2), a.shape(3)};
+    return leading_rows({a.shape(0), a.shape(1), a.shape(2), a.shape(3)}, in.rows, where);
   }
   const auto &w = in.arrays[0], &sc = in.arrays[1], &bi = in.arrays[2];
   if (in.bits != 2 && in.bits != 3 && in.bits != 4 && in.bits != 5 && in.bits != 6 && in.bits != 8)
@@ -62,7 +70,18 @@ KVShape check_kv(const KVInput& in, const char* name, int segment) {
     fail(where + ": " + std::to_string(D) + " values per row need " + std::to_string(D / in.group_size) +
          " scales for group_size " + std::to_string(in.group_size) + ", got " + std::to_string(sc.shape(3)) +
          " (do bits and group_size match the ones used to quantize?)");
-  return {w.shape(0), w.shape(1), w.shape(2), D};
+  return leading_rows({w.shape(0), w.shape(1), w.shape(2), D}, in.rows, where);
+}
+
+// The rows a K or V input reads: its `rows`, or all of its arrays'.
+int rows_read(const KVInput& in) { return in.rows >= 0 ? in.rows : in.arrays[0].shape(2); }
+
+// The first `rows` rows of a (B, H, n, ...) array (all of them for -1).
+mx::array leading(const mx::array& a, int rows, mx::StreamOrDevice s) {
+  if (rows < 0 || rows == a.shape(2)) return a;
+  mx::Shape stop = a.shape();
+  stop[2] = rows;
+  return mx::slice(a, mx::Shape(a.ndim(), 0), std::move(stop), s);
 }
 
 ScoreMode parse_scores(const std::string& scores) {
@@ -182,10 +201,11 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const 
   using namespace mlx::core;
   const int B = c.B, Hq = c.Hq, Hkv = c.Hkv, L = c.L, N = c.N, G = Hq / Hkv;
   auto dense = [&](const KVInput& in) {
-    if (!in.quantized()) return astype(in.arrays[0], float32, s);
+    auto a = [&](int i) { return leading(in.arrays[i], in.rows, s); };
+    if (!in.quantized()) return astype(a(0), float32, s);
     // float32 scales: MLX's dequantize computes in the scales' dtype, which would round through f16.
-    return dequantize(in.arrays[0], astype(in.arrays[1], float32, s), astype(in.arrays[2], float32, s),
-                      in.group_size, in.bits, "affine", {}, std::nullopt, s);
+    return dequantize(a(0), astype(a(1), float32, s), astype(a(2), float32, s), in.group_size, in.bits, "affine", {},
+                      std::nullopt, s);
   };
   std::vector<array> ks, vs;
   for (const auto& seg : c.segments) {
@@ -237,6 +257,7 @@ std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vect
     SegmentFormat f;
     if (seg.k.quantized()) f.k_bits = seg.k.bits, f.k_group_size = seg.k.group_size;
     if (seg.v.quantized()) f.v_bits = seg.v.bits, f.v_group_size = seg.v.group_size;
+    if (seg.k.rows >= 0 || seg.v.rows >= 0) f.rows = rows_read(seg.k);  // (check_args: K and V read as many)
     formats.push_back(f);
     inputs.insert(inputs.end(), seg.k.arrays.begin(), seg.k.arrays.end());
     inputs.insert(inputs.end(), seg.v.arrays.begin(), seg.v.arrays.end());
@@ -281,7 +302,7 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
     KVSegment& seg = p.segments[sidx];
     const auto& k0 = in[i];
     seg.begin = begin;
-    seg.length = k0.shape(2);
+    seg.length = f.rows >= 0 ? f.rows : k0.shape(2);
     p.Hkv = k0.shape(1);
     seg.k = read_source(in, i, f.k_bits, f.k_group_size);
     const auto& v0 = in[i];
@@ -313,15 +334,15 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
 std::vector<mx::array> AttentionWithScores::composed(const std::vector<mx::array>& inputs) {
   std::vector<SegmentInput> segments;
   size_t i = 1;
-  auto take = [&](int bits, int group_size) {
-    KVInput in{{inputs[i]}, bits, group_size};
+  auto take = [&](int bits, int group_size, int rows) {
+    KVInput in{{inputs[i]}, bits, group_size, rows};
     if (bits) in.arrays = {inputs[i], inputs[i + 1], inputs[i + 2]};
     i += bits ? 3 : 1;
     return in;
   };
   for (const auto& f : formats_) {
-    KVInput k = take(f.k_bits, f.k_group_size);
-    segments.push_back({std::move(k), take(f.v_bits, f.v_group_size)});
+    KVInput k = take(f.k_bits, f.k_group_size, f.rows);
+    segments.push_back({std::move(k), take(f.v_bits, f.v_group_size, f.rows)});
   }
   std::optional<mx::array> mask, sinks;
   if (mask_kind_ == MaskKind::array) mask = inputs[i++];
@@ -347,7 +368,7 @@ std::vector<mx::Shape> AttentionWithScores::output_shapes(const std::vector<mx::
   int N = 0, Hkv = 0, Dv = 0;
   size_t i = 1;
   for (const auto& f : formats_) {
-    N += inputs[i].shape(2);
+    N += f.rows >= 0 ? f.rows : inputs[i].shape(2);
     Hkv = inputs[i].shape(1);
     i += f.k_bits ? 3 : 1;
     Dv = f.v_bits ? static_cast<int>(static_cast<int64_t>(inputs[i].shape(3)) * 32 / f.v_bits) : inputs[i].shape(3);

@@ -24,10 +24,13 @@ namespace mlx_h2o {
 namespace mx = mlx::core;
 
 /** One of K or V of a segment: {dense} (B, Hkv, n, D), or {packed uint32, scales, biases} as
- *  mx::quantize returns them, with `bits` and `group_size`. */
+ *  mx::quantize returns them, with `bits` and `group_size`. `rows` >= 0 reads only the first `rows`
+ *  rows of the arrays: a cache's buffers with spare room are read in place, without a slice
+ *  primitive per array at every decode step; -1 reads all n. */
 struct KVInput {
   std::vector<mx::array> arrays;
   int bits = 0, group_size = 0;
+  int rows = -1;
   bool quantized() const { return arrays.size() == 3; }
 };
 
@@ -63,8 +66,10 @@ void set_attention_int8_queries(bool enabled);
 
 struct SegmentFormat {
   int k_bits = 0, k_group_size = 0, v_bits = 0, v_group_size = 0;  // bits 0: dense
+  int rows = -1;  // the leading rows of K and V read (KVInput::rows); -1: all
   bool operator==(const SegmentFormat& o) const {
-    return k_bits == o.k_bits && k_group_size == o.k_group_size && v_bits == o.v_bits && v_group_size == o.v_group_size;
+    return k_bits == o.k_bits && k_group_size == o.k_group_size && v_bits == o.v_bits &&
+           v_group_size == o.v_group_size && rows == o.rows;
   }
 };
 

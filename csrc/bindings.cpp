@@ -25,13 +25,14 @@ using namespace nb::literals;
 
 namespace {
 
-// (k arrays, k bits, k group size, v arrays, v bits, v group size); one array = dense.
-using SegmentTuple = std::tuple<std::vector<mx::array>, int, int, std::vector<mx::array>, int, int>;
+// (k arrays, k bits, k group size, k rows, v arrays, v bits, v group size, v rows); one array = dense,
+// rows -1 = all the arrays' rows (mlx_h2o::KVInput).
+using SegmentTuple = std::tuple<std::vector<mx::array>, int, int, int, std::vector<mx::array>, int, int, int>;
 
 std::vector<mlx_h2o::SegmentInput> to_segments(const std::vector<SegmentTuple>& segments) {
   std::vector<mlx_h2o::SegmentInput> out;
-  for (const auto& [k, kb, kg, v, vb, vg] : segments)
-    out.push_back({mlx_h2o::KVInput{k, kb, kg}, mlx_h2o::KVInput{v, vb, vg}});
+  for (const auto& [k, kb, kg, kr, v, vb, vg, vr] : segments)
+    out.push_back({mlx_h2o::KVInput{k, kb, kg, kr}, mlx_h2o::KVInput{v, vb, vg, vr}});
   return out;
 }
 

@@ -4,7 +4,7 @@ Each case draws a shape (batch, GQA ratio, query rows 1..80 around the 64-key ti
 keys 1..400, head dims incl. ones not a multiple of 8, a value head dim that may differ), a dtype, a
 mask (none, causal, boolean, additive in three dtypes, incl. fully-masked rows), optional sinks, a
 score mode, and 1-3 key segments each dense or packed (bits 2-8, groups 32/64/128, K and V in their
-own formats). The reference rounds the queries as the kernel does where it dots them in int8 (packed
+own formats; packed ones sometimes in buffers with spare rows of NaN scales, read up to `rows`). The reference rounds the queries as the kernel does where it dots them in int8 (packed
 4-/8-bit keys). A case mismatches when any output leaves the tolerance of its dtype; the test wants 0.
 
 MLX_H2O_FUZZ_CASES (default 1000) scales the case count for longer local runs; MLX_H2O_FUZZ_SEED
@@ -42,7 +42,13 @@ def _source(rng, x, packed_fmt):
         return x, x
     bits, group = packed_fmt
     triple = mx.quantize(x, group_size=group, bits=bits)
-    return PackedKV(*triple, bits, group), mx.array(numpy_dequantize(*triple, bits, group).astype(np.float32))
+    dense = mx.array(numpy_dequantize(*triple, bits, group).astype(np.float32))
+    if rng.random() < 0.3:  # a cache's buffer with spare room, read in place (`rows`): NaN if read
+        n, spare = x.shape[2], int(rng.integers(1, 40))
+        triple = [mx.concatenate([a, mx.full((*a.shape[:2], spare, a.shape[3]), np.nan if a.dtype != mx.uint32 else 0xFFFFFFFF, a.dtype)], axis=2)
+                  for a in triple]
+        return PackedKV(*triple, bits, group, n), dense
+    return PackedKV(*triple, bits, group), dense
 
 
 def draw_case(rng):

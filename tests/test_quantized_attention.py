@@ -197,6 +197,13 @@ def test_bad_quantized_input():
         attention_with_scores(q, [(kq, v)], scale=0.1)
     with pytest.raises(ValueError, match="at most 4"):
         attention_with_scores(q, [(k, v)] * 5, scale=0.1)
+    for rows in (11, -2):  # a PackedKV reads at most its arrays' rows
+        with pytest.raises(ValueError, match="rows must be -1"):
+            attention_with_scores(q, [(PackedKV(*kq, 4, 64, rows), PackedKV(*vq, 4, 64))], scale=0.1)
+    with pytest.raises(ValueError, match="k and v must agree"):
+        attention_with_scores(q, [(PackedKV(*kq, 4, 64, 5), PackedKV(*vq, 4, 64, 6))], scale=0.1)
+    with pytest.raises(ValueError, match="rows must be an integer"):
+        attention_with_scores(q, [(PackedKV(*kq, 4, 64, 5.0), PackedKV(*vq, 4, 64))], scale=0.1)
 
 
 def test_int8_queries_add_little_to_the_caches_own_error():
@@ -220,3 +227,20 @@ def test_int8_queries_add_little_to_the_caches_own_error():
         with float_queries():
             exact = np.abs(run(mlx_h2o.make_cache(model, "quantized", bits=bits, group_size=32)) - full).mean()
         assert int8 <= allowed * exact, (bits, int8, exact)
+
+
+@pytest.mark.parametrize("composed", [False, True])
+def test_rows_read_a_buffer_in_place_as_its_slice(composed):
+    """A PackedKV with `rows` (a cache's buffer with spare room) attends as the slice of those rows:
+    the spare rows (NaN scales here) are never read, by the kernel or by the composed ops."""
+    rng = np.random.default_rng(3)
+    q, k, v = make_inputs(rng, 1, 6, 3, 1, 40, 64, mx.float32)
+    kq, vq = mx.quantize(k, group_size=32, bits=4), mx.quantize(v, group_size=32, bits=8)
+    spare = [mx.concatenate([a, mx.full((*a.shape[:2], 9, a.shape[3]), np.nan, a.dtype)], axis=2) if a.dtype != mx.uint32
+             else mx.concatenate([a, mx.zeros((*a.shape[:2], 9, a.shape[3]), a.dtype)], axis=2) for a in (*kq, *vq)]
+    in_place = [(PackedKV(*spare[:3], 4, 32, 40), PackedKV(*spare[3:], 8, 32, 40))]
+    sliced = [(PackedKV(*kq, 4, 32), PackedKV(*vq, 8, 32))]
+    got = attention_with_scores(q, in_place, scale=0.125, scores="mass", composed=composed)
+    want = attention_with_scores(q, sliced, scale=0.125, scores="mass", composed=composed)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and np.array_equal(np.array(g), np.array(w))

@@ -95,9 +95,11 @@ MAX_SEGMENTS = 4
 def _fast(q, segments, scale, mask_mode, mask, scores, sinks, stream):
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"at least one and at most {MAX_SEGMENTS} K/V segments, got {len(segments)}")
-    live = [seg for seg in segments if _length(seg[0]) > 0] or segments[:1]
-    k = _merge([(arrays, bits, group_size) for arrays, bits, group_size, *_ in live])
-    v = _merge([(arrays, bits, group_size) for *_, arrays, bits, group_size in live])
+    # (the extension reads a segment's leading rows in place; mx.fast's ops take them sliced)
+    sources = [((_leading(ka, kr), kb, kg), (_leading(va, vr), vb, vg)) for ka, kb, kg, kr, va, vb, vg, vr in segments]
+    live = [kv for kv in sources if _length(kv[0][0]) > 0] or sources[:1]
+    k = _merge([kv[0] for kv in live])
+    v = _merge([kv[1] for kv in live])
     if bool(k[1]) != bool(v[1]) or (k[1] and k[1:] != v[1:]):  # the quantized op takes one format
         k = ([_dense(*k)], 0, 0) if k[1] else k
         v = ([_dense(*v)], 0, 0) if v[1] else v
@@ -118,6 +120,11 @@ def _fast(q, segments, scale, mask_mode, mask, scores, sinks, stream):
     # returns q's, and a merged K/V may be float32 where q is not.
     out = out.astype(q.dtype, stream=stream) if out.dtype != q.dtype else out
     return [out] if result is None else [out, result]
+
+
+def _leading(arrays, rows: int) -> list:
+    """The arrays' first `rows` rows (-1: all)."""
+    return arrays if rows < 0 else [a[:, :, :rows] for a in arrays]
 
 
 def _length(arrays) -> int:

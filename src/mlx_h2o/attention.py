@@ -54,20 +54,35 @@ def _check_scale(scale) -> float:
 
 
 class PackedKV(NamedTuple):
-    """K or V in MLX's affine packed format, as `mx.quantize` returns it, plus how it was packed."""
+    """K or V in MLX's affine packed format, as `mx.quantize` returns it, plus how it was packed.
+    `rows` (None: all) reads only the first `rows` rows of the arrays: a cache reads its buffers,
+    spare room included, in place, where slicing them would add three primitives to every decode step."""
 
     packed: mx.array
     scales: mx.array
     biases: mx.array
     bits: int
     group_size: int
+    rows: Optional[int] = None
+
+    @property
+    def length(self) -> int:
+        """The rows read."""
+        return self.packed.shape[2] if self.rows is None else self.rows
+
+    @property
+    def arrays(self) -> Tuple[mx.array, mx.array, mx.array]:
+        """(packed, scales, biases) of the rows read (slices of the arrays when `rows` is set)."""
+        whole = (self.packed, self.scales, self.biases)
+        return whole if self.rows is None else tuple(a[:, :, : self.rows] for a in whole)
 
 
 def _segment_source(x, what):
+    """(arrays, bits, group_size, rows) of one K or V, as the extension's op takes it (rows -1: all)."""
     if isinstance(x, mx.array):
-        return [x], 0, 0
+        return [x], 0, 0, -1
     if isinstance(x, PackedKV):
-        return [x.packed, x.scales, x.biases], x.bits, x.group_size
+        return [x.packed, x.scales, x.biases], x.bits, x.group_size, -1 if x.rows is None else _check_int(x.rows, "rows")
     raise ValueError(f"{what} must be an mx.array or a PackedKV, got {type(x).__name__}")
 
 
@@ -104,7 +119,7 @@ def scaled_dot_product_attention_with_scores(
     if not isinstance(k, mx.array) or not isinstance(v, mx.array):
         _native_args(mask, scores, sinks)  # argument errors first, as for every op
         raise ValueError("k and v must be mx.arrays (for packed K/V use quantized_scaled_dot_product_attention_with_scores)")
-    return _attend(q, [([k], 0, 0, [v], 0, 0)], scale, mask, scores, sinks, False, stream)
+    return _attend(q, [([k], 0, 0, -1, [v], 0, 0, -1)], scale, mask, scores, sinks, False, stream)
 
 
 def quantized_scaled_dot_product_attention_with_scores(
@@ -125,7 +140,7 @@ def quantized_scaled_dot_product_attention_with_scores(
     (B, Hkv, N, D); bits 2, 3, 4, 5, 6 or 8; group_size 32, 64 or 128. The kernel reads the packed
     bytes and dequantizes in registers: no dequantized copy of the cache is made."""
     bits, group_size = _check_int(bits, "bits"), _check_int(group_size, "group_size")
-    segment = (_triple(k_q, "k_q"), bits, group_size, _triple(v_q, "v_q"), bits, group_size)
+    segment = (_triple(k_q, "k_q"), bits, group_size, -1, _triple(v_q, "v_q"), bits, group_size, -1)
     return _attend(q, [segment], scale, mask, scores, sinks, False, stream)
 
 

@@ -156,16 +156,17 @@ class RowStore:
         self.arrays = tuple(a[:, :, n:length] for a in self.arrays)
 
     def view(self, n: int):
-        """The first n rows as the fused kernel reads them (an array, or a PackedKV), in place. The
-        same objects until the buffers change: a store's older rows (a tiered cache's low tier, a
-        shared prefix) are read at every decode step and rewritten only when a compaction or a
-        demotion comes, so their views (up to three slices per K and per V, in Python and in the
-        step's graph) are made once per change, not once per step."""
+        """The first n rows as the fused kernel reads them, in place: a slice of a dense buffer, or a
+        PackedKV of the whole packed buffers that reads n rows (no slices: a store's newest rows
+        change at every decode step, and three slices per K and per V were 180 primitives of a
+        30-layer model's step). The same object until the buffers change: a store's older rows (a
+        tiered cache's low tier, a shared prefix) are read at every decode step and rewritten only
+        when a compaction or a demotion comes."""
         if self._view is None or self._view[0] != n:
             if self.bits is None:
                 view = self.arrays[0][:, :, :n]
             else:
-                view = PackedKV(*(a[:, :, :n] for a in self.arrays), self.bits, self.group_size)
+                view = PackedKV(*self.arrays, self.bits, self.group_size, n)
             self._view = (n, view)
         return self._view[1]
 

@@ -31,6 +31,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
+from ...attention import PackedKV
 from ...distributed import SharesGroup
 from ...storage import stored_as
 from ..base import AttendingCache, fetched_ids, handed_on
@@ -281,6 +282,6 @@ def _check_call(lanes, keys, values, mask):
         if isinstance(mask, mx.array) and len({lane.length for lane in lanes}) > 1:
             raise ValueError("head_budget='adaptive' attends each head over its own entries: the mask must be None or 'causal'")
         return
-    N = sum((k.packed if hasattr(k, "packed") else k).shape[2] for k, _ in (keys if isinstance(keys, list) else [(keys, values)]))
+    N = sum(k.length if isinstance(k, PackedKV) else k.shape[2] for k, _ in (keys if isinstance(keys, list) else [(keys, values)]))
     if N != lanes[0].length:
         raise ValueError(f"attention over {N} keys but the h2o cache holds {lanes[0].length}: keys must come from update_and_fetch")
