@@ -11,6 +11,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#include "kv_rows.h"
 #include "op_utils.h"
 #include "parallel.h"
 
@@ -178,6 +179,12 @@ KVSource read_source(const std::vector<mx::array>& in, size_t& i, int bits, int 
   return src;
 }
 
+void check_rotations(const Checked& c, const mx::array& q, const std::optional<mx::array>& q_rotation,
+                     const std::optional<mx::array>& out_rotation) {
+  if (q_rotation) check_rotation(*q_rotation, c.Dk, "q_rotation", q);
+  if (out_rotation) check_rotation(*out_rotation, c.Dv, "out_rotation", q);
+}
+
 }  // namespace
 
 namespace {
@@ -193,12 +200,16 @@ std::atomic<bool>& int8_setting() {
 bool attention_int8_queries() { return int8_setting().load(); }
 void set_attention_int8_queries(bool enabled) { int8_setting().store(enabled); }
 
-std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const std::vector<SegmentInput>& segments,
+std::vector<mx::array> attention_with_scores_composed(const mx::array& q_in, const std::vector<SegmentInput>& segments,
                                                       float scale, const std::string& mask_mode,
                                                       const std::optional<mx::array>& mask, const std::string& scores,
-                                                      const std::optional<mx::array>& sinks, mx::StreamOrDevice s) {
-  const Checked c = check_args(q, segments, scale, mask_mode, mask, scores, sinks);
+                                                      const std::optional<mx::array>& sinks,
+                                                      const std::optional<mx::array>& q_rotation,
+                                                      const std::optional<mx::array>& out_rotation, mx::StreamOrDevice s) {
+  const Checked c = check_args(q_in, segments, scale, mask_mode, mask, scores, sinks);
+  check_rotations(c, q_in, q_rotation, out_rotation);
   using namespace mlx::core;
+  const auto q = q_rotation ? matmul(astype(q_in, float32, s), *q_rotation, s) : q_in;
   const int B = c.B, Hq = c.Hq, Hkv = c.Hkv, L = c.L, N = c.N, G = Hq / Hkv;
   auto dense = [&](const KVInput& in) {
     auto a = [&](int i) { return leading(in.arrays[i], in.rows, s); };
@@ -236,7 +247,8 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const 
   // A row whose every key is masked (and no sink) attends to nothing: zero output, no mass.
   auto seen = any(greater(logits, neg_inf, s), std::vector<int>{-1}, true, s);
   probs = where(seen, probs, array(0.0f, float32), s);
-  auto out = astype(reshape(matmul(probs, vf, s), {B, Hq, L, c.Dv}, s), q.dtype(), s);
+  auto out = reshape(matmul(probs, vf, s), {B, Hq, L, c.Dv}, s);
+  out = astype(out_rotation ? matmul(out, *out_rotation, s) : out, q_in.dtype(), s);
   if (c.score_mode == ScoreMode::mass) return {out, sum(probs, std::vector<int>{2, 3}, false, s)};
   if (c.score_mode == ScoreMode::logits) return {out, reshape(logits, {B, Hq, L, N}, s)};
   return {out};
@@ -245,11 +257,14 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const 
 std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vector<SegmentInput>& segments, float scale,
                                              const std::string& mask_mode, const std::optional<mx::array>& mask,
                                              const std::string& scores, const std::optional<mx::array>& sinks,
-                                             mx::StreamOrDevice s) {
+                                             const std::optional<mx::array>& q_rotation,
+                                             const std::optional<mx::array>& out_rotation, mx::StreamOrDevice s) {
   const Checked c = check_args(q, segments, scale, mask_mode, mask, scores, sinks);
+  check_rotations(c, q, q_rotation, out_rotation);
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu)
-    return attention_with_scores_composed(q, segments, scale, mask_mode, mask, scores, sinks, stream);
+    return attention_with_scores_composed(q, segments, scale, mask_mode, mask, scores, sinks, q_rotation, out_rotation,
+                                          stream);
 
   std::vector<mx::array> inputs = {q};
   std::vector<SegmentFormat> formats;
@@ -264,6 +279,8 @@ std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vect
   }
   if (c.mask_kind == MaskKind::array) inputs.push_back(mx::broadcast_to(*mask, {c.B, c.Hq, c.L, c.N}, stream));
   if (sinks) inputs.push_back(*sinks);
+  if (q_rotation) inputs.push_back(*q_rotation);
+  if (out_rotation) inputs.push_back(*out_rotation);
   std::vector<mx::Shape> shapes = {{c.B, c.Hq, c.L, c.Dv}};
   std::vector<mx::Dtype> dtypes = {q.dtype()};
   if (c.score_mode == ScoreMode::mass) {
@@ -276,7 +293,7 @@ std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vect
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
       std::make_shared<AttentionWithScores>(stream, scale, c.mask_kind, c.score_mode, sinks.has_value(), std::move(formats),
-                                            attention_int8_queries()),
+                                            attention_int8_queries(), q_rotation.has_value(), out_rotation.has_value()),
       inputs);
 }
 
@@ -288,6 +305,10 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   for (const auto& f : formats_) n_kv += (f.k_bits ? 3 : 1) + (f.v_bits ? 3 : 1);
   for (size_t i = 1; i <= n_kv; ++i)
     if (needs_copy(in[i])) in[i] = contiguous_copy(in[i], enc);
+  // The rotations read rows of unit stride: q's, and the matrices' (row-major).
+  if (q_rotated_ && needs_copy(in[0])) in[0] = contiguous_copy(in[0], enc);
+  for (size_t r = in.size() - q_rotated_ - out_rotated_; r < in.size(); ++r)
+    if (!in[r].flags().row_contiguous) in[r] = contiguous_copy(in[r], enc);
 
   AttentionProblem p;
   const auto& q = in[0];
@@ -319,6 +340,8 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
     p.sinks_type = elem_type(sk.dtype());
     p.sinks_stride = sk.strides()[0];
   }
+  const float* q_rotation = q_rotated_ ? in[i++].data<float>() : nullptr;
+  const float* out_rotation = out_rotated_ ? in[i++].data<float>() : nullptr;
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
   p.out = outputs[0].data<void>();
   p.out_type = elem_type(outputs[0].dtype());
@@ -328,7 +351,37 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   p.int8_queries = int8_queries_;
   for (auto& a : in) enc.set_input_array(a);
   for (auto& o : outputs) enc.set_output_array(o);
-  enc.dispatch([p]() { attention_cpu(p); });
+  if (!q_rotation && !out_rotation) {
+    enc.dispatch([p]() { attention_cpu(p); });
+    return;
+  }
+  // A rotated cache's queries and output, rotated around the kernel in float32 scratch.
+  enc.dispatch([p, q_rotation, out_rotation, q_dtype = q.dtype(), out_dtype = outputs[0].dtype()]() mutable {
+    const int64_t rows = static_cast<int64_t>(p.B) * p.Hq * p.L;
+    std::vector<float> q_rotated, out_unrotated;
+    if (q_rotation) {
+      q_rotated.resize(rows * p.Dk);
+      const auto* base = static_cast<const char*>(p.q.data);
+      const int64_t itemsize = mx::size_of(q_dtype);
+      int64_t r = 0;
+      for (int b = 0; b < p.B; ++b)
+        for (int h = 0; h < p.Hq; ++h)
+          for (int l = 0; l < p.L; ++l, ++r)
+            rotate_rows_cpu(base + (b * p.q.stride[0] + h * p.q.stride[1] + l * p.q.stride[2]) * itemsize, q_dtype, p.Dk,
+                            q_rotation, q_rotated.data() + r * p.Dk, mx::float32, 1, p.Dk);
+      p.q.data = q_rotated.data();
+      p.q.type = ElemType::float32;
+      p.q.stride[0] = int64_t{p.Hq} * p.L * p.Dk, p.q.stride[1] = int64_t{p.L} * p.Dk, p.q.stride[2] = p.Dk, p.q.stride[3] = 1;
+    }
+    void* out = p.out;
+    if (out_rotation) {
+      out_unrotated.resize(rows * p.Dv);
+      p.out = out_unrotated.data();
+      p.out_type = ElemType::float32;
+    }
+    attention_cpu(p);
+    if (out_rotation) rotate_rows_cpu(out_unrotated.data(), mx::float32, p.Dv, out_rotation, out, out_dtype, rows, p.Dv);
+  });
 }
 
 std::vector<mx::array> AttentionWithScores::composed(const std::vector<mx::array>& inputs) {
@@ -344,12 +397,15 @@ std::vector<mx::array> AttentionWithScores::composed(const std::vector<mx::array
     KVInput k = take(f.k_bits, f.k_group_size, f.rows);
     segments.push_back({std::move(k), take(f.v_bits, f.v_group_size, f.rows)});
   }
-  std::optional<mx::array> mask, sinks;
+  std::optional<mx::array> mask, sinks, q_rotation, out_rotation;
   if (mask_kind_ == MaskKind::array) mask = inputs[i++];
   if (has_sinks_) sinks = inputs[i++];
+  if (q_rotated_) q_rotation = inputs[i++];
+  if (out_rotated_) out_rotation = inputs[i++];
   const char* mode = mask_kind_ == MaskKind::causal ? "causal" : mask_kind_ == MaskKind::array ? "array" : "";
   const char* scores = score_mode_ == ScoreMode::mass ? "mass" : score_mode_ == ScoreMode::logits ? "logits" : "";
-  return attention_with_scores_composed(inputs[0], segments, scale_, mode, mask, scores, sinks, stream());
+  return attention_with_scores_composed(inputs[0], segments, scale_, mode, mask, scores, sinks, q_rotation, out_rotation,
+                                        stream());
 }
 
 void AttentionWithScores::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -360,7 +416,8 @@ void AttentionWithScores::eval_gpu(const std::vector<mx::array>&, std::vector<mx
 bool AttentionWithScores::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const AttentionWithScores&>(other);
   return scale_ == o.scale_ && mask_kind_ == o.mask_kind_ && score_mode_ == o.score_mode_ &&
-         has_sinks_ == o.has_sinks_ && formats_ == o.formats_ && int8_queries_ == o.int8_queries_;
+         has_sinks_ == o.has_sinks_ && formats_ == o.formats_ && int8_queries_ == o.int8_queries_ &&
+         q_rotated_ == o.q_rotated_ && out_rotated_ == o.out_rotated_;
 }
 
 std::vector<mx::Shape> AttentionWithScores::output_shapes(const std::vector<mx::array>& inputs) {

@@ -46,10 +46,17 @@ struct SegmentInput {
  * "logits" -> (B, Hq, L, N) float32 masked logits; "" -> none. sinks: optional (Hq,) sink logits.
  * Returns {out (B, Hq, L, Dv) in q's dtype, scores} or {out}. CPU streams run the fused kernel; other
  * streams the composed ops of attention_with_scores_composed.
+ *
+ * For keys and values stored rotated (a rotated cache, storage/rotation.py): q_rotation, float32
+ * (Dk, Dk), attends with q @ q_rotation in float32; out_rotation, float32 (Dv, Dv), returns the output
+ * times it, in q's dtype. Both as rotate_rows computes them (float64 sums, rounded once), inside this
+ * op: a rotated cache's step needs no rotate_rows primitive of its own for its queries and output.
  */
 std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vector<SegmentInput>& segments, float scale,
                                              const std::string& mask_mode, const std::optional<mx::array>& mask,
                                              const std::string& scores, const std::optional<mx::array>& sinks,
+                                             const std::optional<mx::array>& q_rotation = std::nullopt,
+                                             const std::optional<mx::array>& out_rotation = std::nullopt,
                                              mx::StreamOrDevice s = {});
 
 /** The same computation from stock MLX ops (dequantize, concatenate, matmul, softmax): the
@@ -57,7 +64,10 @@ std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vect
 std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const std::vector<SegmentInput>& segments,
                                                       float scale, const std::string& mask_mode,
                                                       const std::optional<mx::array>& mask, const std::string& scores,
-                                                      const std::optional<mx::array>& sinks, mx::StreamOrDevice s = {});
+                                                      const std::optional<mx::array>& sinks,
+                                                      const std::optional<mx::array>& q_rotation = std::nullopt,
+                                                      const std::optional<mx::array>& out_rotation = std::nullopt,
+                                                      mx::StreamOrDevice s = {});
 
 /** Whether new attention ops round the queries to int8 for packed 4-/8-bit keys (integer Q K^T; the
  *  default, MLX_H2O_ATTENTION_INT8=0 turns it off) or keep them float32. Read when an op is built. */
@@ -75,15 +85,20 @@ struct SegmentFormat {
 
 class AttentionWithScores : public ComposedPrimitive {
  public:
+  // Inputs: q, each segment's K then V arrays, the mask (array mode), sinks, q_rotation, out_rotation
+  // (those present, in that order).
   AttentionWithScores(mx::Stream stream, float scale, MaskKind mask_kind, ScoreMode score_mode, bool has_sinks,
-                      std::vector<SegmentFormat> formats, bool int8_queries)
+                      std::vector<SegmentFormat> formats, bool int8_queries, bool q_rotated = false,
+                      bool out_rotated = false)
       : ComposedPrimitive(stream),
         scale_(scale),
         mask_kind_(mask_kind),
         score_mode_(score_mode),
         has_sinks_(has_sinks),
         formats_(std::move(formats)),
-        int8_queries_(int8_queries) {}
+        int8_queries_(int8_queries),
+        q_rotated_(q_rotated),
+        out_rotated_(out_rotated) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -102,6 +117,7 @@ class AttentionWithScores : public ComposedPrimitive {
   bool has_sinks_;
   std::vector<SegmentFormat> formats_;
   bool int8_queries_;
+  bool q_rotated_, out_rotated_;
 };
 
 }  // namespace mlx_h2o

@@ -85,13 +85,16 @@ NB_MODULE(_ext, m) {
       "attention_with_scores",
       [](const mx::array& q, const std::vector<SegmentTuple>& segments, float scale, const std::string& mask_mode,
          const std::optional<mx::array>& mask, const std::string& scores, const std::optional<mx::array>& sinks,
-         bool composed, mx::StreamOrDevice s) {
+         bool composed, const std::optional<mx::array>& q_rotation, const std::optional<mx::array>& out_rotation,
+         mx::StreamOrDevice s) {
         auto segs = to_segments(segments);
-        return composed ? mlx_h2o::attention_with_scores_composed(q, segs, scale, mask_mode, mask, scores, sinks, s)
-                        : mlx_h2o::attention_with_scores(q, segs, scale, mask_mode, mask, scores, sinks, s);
+        return composed ? mlx_h2o::attention_with_scores_composed(q, segs, scale, mask_mode, mask, scores, sinks,
+                                                                  q_rotation, out_rotation, s)
+                        : mlx_h2o::attention_with_scores(q, segs, scale, mask_mode, mask, scores, sinks, q_rotation,
+                                                         out_rotation, s);
       },
       "q"_a, "segments"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "composed"_a,
-      "stream"_a = nb::none(), "Fused attention over K/V segments (Python API: mlx_h2o.attention_with_scores and the\n"
+      "q_rotation"_a.none() = nb::none(), "out_rotation"_a.none() = nb::none(), "stream"_a = nb::none(), "Fused attention over K/V segments (Python API: mlx_h2o.attention_with_scores and the\n"
       "single-segment mlx_h2o.scaled_dot_product_attention_with_scores / quantized_... built on it).");
 
   m.def("quantized_matmul", &mlx_h2o::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,

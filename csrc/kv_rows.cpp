@@ -28,12 +28,6 @@ void with_float_type(mx::Dtype t, F&& f) {
   }
 }
 
-/** A (D, D) float32 rotation for rows of D values, or a ValueError naming both shapes. */
-void check_rotation(const mx::array& rotation, int D, const mx::array& x) {
-  if (rotation.dtype() != mx::float32 || rotation.shape() != mx::Shape{D, D})
-    fail("rotation must be a float32 (" + std::to_string(D) + ", " + std::to_string(D) + ") array for x " +
-         shape_str(x.shape()) + ", got shape " + shape_str(rotation.shape()));
-}
 
 /** The stock-ops definition of a rotation: x @ rotation in float32, then `dtype`. */
 mx::array rotated(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::Stream s) {
@@ -70,11 +64,11 @@ void rotate_row(const T* x, const float* rotation, int64_t D, float* xf, double*
 }
 
 template <typename T, typename U>
-void rotate_rows_cpu(const T* x, const float* rotation, U* out, int64_t rows, int64_t D) {
+void rotate_rows_typed(const T* x, int64_t x_row_stride, const float* rotation, U* out, int64_t rows, int64_t D) {
   std::vector<double> acc(D);
   std::vector<float> xf(D);
   for (int64_t r = 0; r < rows; ++r) {
-    rotate_row(x + r * D, rotation, D, xf.data(), acc.data());
+    rotate_row(x + r * x_row_stride, rotation, D, xf.data(), acc.data());
     for (int64_t j = 0; j < D; ++j) out[r * D + j] = static_cast<U>(static_cast<float>(acc[j]));
   }
 }
@@ -159,10 +153,26 @@ void quantize_rows(const RowsProblem& p, const T* x, const float* rotation, void
 
 }  // namespace
 
+void check_rotation(const mx::array& rotation, int D, const std::string& what, const mx::array& x) {
+  if (rotation.dtype() != mx::float32 || rotation.shape() != mx::Shape{D, D})
+    fail(what + " must be a float32 (" + std::to_string(D) + ", " + std::to_string(D) + ") array for rows " +
+         shape_str(x.shape()) + ", got shape " + shape_str(rotation.shape()));
+}
+
+void rotate_rows_cpu(const void* x, mx::Dtype x_type, int64_t x_row_stride, const float* rotation, void* out,
+                     mx::Dtype out_type, int64_t rows, int64_t D) {
+  with_float_type(x_type, [&](auto xe) {
+    with_float_type(out_type, [&](auto oe) {
+      rotate_rows_typed(static_cast<const decltype(xe)*>(x), x_row_stride, rotation, static_cast<decltype(oe)*>(out),
+                        rows, D);
+    });
+  });
+}
+
 mx::array rotate_rows(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::StreamOrDevice s) {
   if (x.ndim() < 1 || !is_float_dtype(x.dtype())) fail("x must be a float32, float16 or bfloat16 array (..., D)");
   if (!is_float_dtype(dtype)) fail("dtype must be float32, float16 or bfloat16");
-  check_rotation(rotation, x.shape(-1), x);
+  check_rotation(rotation, x.shape(-1), "rotation", x);
   auto stream = mx::to_stream(s);
   auto p = std::make_shared<RotateRows>(stream, dtype);
   if (stream.device != mx::Device::cpu) return p->composed({x, rotation})[0];
@@ -175,13 +185,7 @@ void RotateRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   auto& out = outputs[0];
   const int64_t D = in[0].shape(-1), rows = D == 0 ? 0 : static_cast<int64_t>(in[0].size()) / D;
   enc.dispatch([x = in[0].data<void>(), xt = in[0].dtype(), r = in[1].data<float>(), o = out.data<void>(),
-                ot = out.dtype(), rows, D]() {
-    with_float_type(xt, [&](auto xe) {
-      with_float_type(ot, [&](auto oe) {
-        rotate_rows_cpu(static_cast<const decltype(xe)*>(x), r, static_cast<decltype(oe)*>(o), rows, D);
-      });
-    });
-  });
+                ot = out.dtype(), rows, D]() { rotate_rows_cpu(x, xt, D, r, o, ot, rows, D); });
 }
 
 void RotateRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -223,7 +227,7 @@ std::vector<mx::array> quantize_rows_into(const mx::array& packed, const mx::arr
   if (start < 0 || start + n > C)
     fail("rows [" + std::to_string(start) + ", " + std::to_string(start + n) + ") are outside the buffers' " +
          std::to_string(C) + " rows");
-  if (rotation) check_rotation(*rotation, D, x);
+  if (rotation) check_rotation(*rotation, D, "rotation", x);
   auto stream = mx::to_stream(s);
   std::vector<mx::array> out;
   const mx::array* buffers[3] = {&packed, &scales, &biases};

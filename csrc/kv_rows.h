@@ -15,6 +15,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -28,6 +29,16 @@ namespace mx = mlx::core;
 /** x (..., D) float32 / float16 / bfloat16 rows times a float32 (D, D) `rotation`: x @ rotation,
  *  each output summed in float64 and rounded once to `dtype` (float32, float16 or bfloat16). */
 mx::array rotate_rows(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::StreamOrDevice s = {});
+
+/** The CPU loop behind rotate_rows: `rows` rows of D values, row r at x + r * x_row_stride elements
+ *  (x_type float32 / float16 / bfloat16), times `rotation` into out (rows, D) contiguous, in
+ *  out_type; each output summed in float64 and rounded once. The fused attention op rotates its
+ *  queries and output with it (attention_with_scores.cpp). */
+void rotate_rows_cpu(const void* x, mx::Dtype x_type, int64_t x_row_stride, const float* rotation, void* out,
+                     mx::Dtype out_type, int64_t rows, int64_t D);
+
+/** A ValueError unless `rotation` is a float32 (D, D) array for the rows of x (`what` names it). */
+void check_rotation(const mx::array& rotation, int D, const std::string& what, const mx::array& x);
 
 class RotateRows : public ComposedPrimitive {
  public:

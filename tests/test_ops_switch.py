@@ -3,7 +3,8 @@
 Both implementations are checked against the composed definition on the same random calls (dense,
 packed, several segments in one or mixed formats, masks, sinks, every score mode) where this MLX
 has the ops, i.e. was built from patches/mlx (scripts/build_wheels.sh); the whole suite also runs with
-MLX_H2O_OPS=mlx there (docs/mlx-fork.md)."""
+MLX_H2O_OPS=mlx there (docs/mlx-fork.md). Also a packed buffer read up to `rows` and a rotated
+cache's query and output rotations, which the extension's op takes and MLX's is given around it."""
 
 import numpy as np
 import pytest
@@ -77,6 +78,20 @@ def _cases():
     yield "packed keys, dense values", q.astype(mx.float16), [(k1q, v1)], {}, k1d, v1, False
     yield "dense+dense", q, [(k1, v1), (k2, v2)], {"mask": mask}, cat(k1, k2), cat(v1, v2), False
     yield "packed+packed", q, [(k1q, v1q), (k1q, v1q)], {}, cat(k1d, k1d), cat(v1d, v1d), False
+    rotation = mx.array(np.linalg.qr(rng.standard_normal((64, 64)))[0].astype(np.float32))
+
+    def with_spare_rows(x):  # a cache's buffer with room for 5 more rows, read up to its 40
+        return PackedKV(*(mx.concatenate([a, a[:, :, :5]], axis=2) for a in x.arrays), x.bits, x.group_size, 40)
+
+    yield (
+        "packed in place, rotated queries and output",
+        q,
+        [(with_spare_rows(k1q), with_spare_rows(v1q))],
+        {"q_rotation": rotation, "out_rotation": rotation.T},  # (transposed strides: the op copies them)
+        k1d,
+        v1d,
+        False,
+    )
     yield (
         "8-bit+4-bit keys, dense window",
         q.astype(mx.bfloat16),

@@ -244,3 +244,36 @@ def test_rows_read_a_buffer_in_place_as_its_slice(composed):
     want = attention_with_scores(q, sliced, scale=0.125, scores="mass", composed=composed)
     for g, w in zip(got, want):
         assert g.shape == w.shape and np.array_equal(np.array(g), np.array(w))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_rotations_inside_the_op_equal_rotate_rows_around_it(dtype):
+    """q_rotation / out_rotation (a rotated cache's queries and output) give bit for bit what
+    rotate_rows before and after the op gives, scores included; the composed ops agree with the
+    composed op around rotate_rows' definition."""
+    rng = np.random.default_rng(11)
+    q, k, v = make_inputs(rng, 2, 6, 3, 3, 50, 64, dtype)
+    rq, ro = (mx.array(np.linalg.qr(rng.standard_normal((64, 64)))[0].astype(np.float32)) for _ in range(2))
+    segments = [(PackedKV(*mx.quantize(k[:, :, :30], group_size=32, bits=4), 4, 32), PackedKV(*mx.quantize(v[:, :, :30], group_size=32, bits=8), 8, 32)),
+                (k[:, :, 30:], v[:, :, 30:])]
+    out, mass = attention_with_scores(q, segments, scale=0.125, mask="causal", q_rotation=rq, out_rotation=ro)
+    inner, want_mass = attention_with_scores(mlx_h2o._ext.rotate_rows(q, rq, mx.float32), segments, scale=0.125, mask="causal")
+    want = mlx_h2o._ext.rotate_rows(inner, ro, dtype)
+    assert out.dtype == dtype and np.array_equal(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    assert np.array_equal(np.array(mass), np.array(want_mass))
+    c_out, c_mass = attention_with_scores(q, segments, scale=0.125, mask="causal", q_rotation=rq, out_rotation=ro, composed=True)
+    c_inner, c_want_mass = attention_with_scores(q.astype(mx.float32) @ rq, segments, scale=0.125, mask="causal", composed=True)
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    np.testing.assert_allclose(np.array(c_out.astype(mx.float32)), np.array(((c_inner @ ro).astype(dtype)).astype(mx.float32)), atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.array(c_mass), np.array(c_want_mass), atol=1e-5)
+
+
+def test_bad_rotations():
+    rng = np.random.default_rng(0)
+    q, k, v = make_inputs(rng, 1, 4, 2, 1, 10, 64, mx.float32)
+    with pytest.raises(ValueError, match=r"q_rotation must be a float32 \(64, 64\)"):
+        attention_with_scores(q, [(k, v)], scale=0.1, q_rotation=mx.zeros((32, 32)))
+    with pytest.raises(ValueError, match=r"out_rotation must be a float32 \(64, 64\)"):
+        attention_with_scores(q, [(k, v)], scale=0.1, out_rotation=mx.zeros((64, 64), mx.float16))
+    with pytest.raises(ValueError, match="q_rotation must be None or"):
+        attention_with_scores(q, [(k, v)], scale=0.1, q_rotation=np.eye(64))

@@ -131,9 +131,19 @@ def _length(arrays) -> int:
     return arrays[0].shape[2] if arrays and arrays[0].ndim == 4 else 1
 
 
-def attention_with_scores(q, segments, scale, mask_mode, mask, scores, sinks, composed, stream):
+def attention_with_scores(q, segments, scale, mask_mode, mask, scores, sinks, composed, stream, q_rotation=None, out_rotation=None):
     """The extension's segment op (`_ext.attention_with_scores`, same arguments and result), run by the
     implementation in use."""
     if composed or implementation() == "ext":
-        return _ext.attention_with_scores(q, segments, scale, mask_mode, mask, scores, sinks, composed, stream)
-    return _fast(q, segments, scale, mask_mode, mask, scores, sinks, stream)
+        return _ext.attention_with_scores(q, segments, scale, mask_mode, mask, scores, sinks, composed,
+                                          q_rotation=q_rotation, out_rotation=out_rotation, stream=stream)
+    # mx.fast's ops take no rotations: the extension's rotate_rows around them, the same sums
+    dtype = q.dtype
+    if q_rotation is not None:
+        q = _ext.rotate_rows(q, q_rotation, mx.float32, stream=stream)
+    res = _fast(q, segments, scale, mask_mode, mask, scores, sinks, stream)
+    if out_rotation is not None:
+        res[0] = _ext.rotate_rows(res[0], out_rotation, dtype, stream=stream)
+    elif res[0].dtype != dtype:
+        res[0] = res[0].astype(dtype, stream=stream)
+    return res

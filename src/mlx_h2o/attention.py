@@ -34,10 +34,14 @@ def _native_args(mask, scores, sinks):
     return mode, array, scores or "", sinks
 
 
-def _attend(q, native_segments, scale, mask, scores, sinks, composed, stream):
+def _attend(q, native_segments, scale, mask, scores, sinks, composed, stream, rotations=(None, None)):
     """The one call into the segment op (the extension's or MLX's: _ops); every public function ends in it."""
     mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
-    res = _ops.attention_with_scores(q, native_segments, _check_scale(scale), mode, array, score_mode, sinks, composed, stream)
+    for r, name in zip(rotations, ("q_rotation", "out_rotation")):
+        if r is not None and not isinstance(r, mx.array):
+            raise ValueError(f"{name} must be None or a float32 (D, D) mx.array, got {type(r).__name__}")
+    res = _ops.attention_with_scores(q, native_segments, _check_scale(scale), mode, array, score_mode, sinks, composed, stream,
+                                     *rotations)
     return res[0], (res[1] if len(res) > 1 else None)
 
 
@@ -144,11 +148,15 @@ def quantized_scaled_dot_product_attention_with_scores(
     return _attend(q, [segment], scale, mask, scores, sinks, False, stream)
 
 
-def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="mass", sinks=None, composed=False, stream=None):
+def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="mass", sinks=None, composed=False,
+                          q_rotation=None, out_rotation=None, stream=None):
     """Attention over several K/V segments taken in order, each an mx.array or a `PackedKV` (e.g.
     8-bit heavy hitters + a 4-bit recent window, or packed storage + a full-precision residual
     window), without concatenating them. Scores cover the concatenated positions.
-    composed=True runs the stock-MLX-ops definition instead of the fused kernel."""
+    composed=True runs the stock-MLX-ops definition instead of the fused kernel.
+    K/V stored rotated (storage/rotation.py): q_rotation, float32 (Dk, Dk), attends with
+    q @ q_rotation in float32, and out_rotation, float32 (Dv, Dv), returns the output times it, in
+    q's dtype; both as `rotate_rows` computes them, inside the op (no primitive of their own)."""
     if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
         raise ValueError("segments must be a sequence of (k, v) pairs")
     native = []
@@ -156,7 +164,7 @@ def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="ma
         if not isinstance(seg, (tuple, list)) or len(seg) != 2:
             raise ValueError(f"segments[{i}] must be a (k, v) pair")
         native.append((*_segment_source(seg[0], f"segments[{i}][0]"), *_segment_source(seg[1], f"segments[{i}][1]")))
-    return _attend(q, native, scale, mask, scores, sinks, bool(composed), stream)
+    return _attend(q, native, scale, mask, scores, sinks, bool(composed), stream, (q_rotation, out_rotation))
 
 
 def attention_with_scores_composed(q, k, v, *, scale, mask=None, scores="mass", sinks=None, stream=None):

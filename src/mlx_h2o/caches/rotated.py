@@ -37,6 +37,10 @@ class RotatedQuantizedKVCache(AttendingCache):
         return self.store.fetch()
 
     def attend(self, queries, segments, _values, *, scale, mask=None, sinks=None):
+        rotations = self.store.rotations()
+        if rotations is not None:  # the op rotates the queries and output itself
+            return attention_with_scores(queries, segments, scale=scale, mask=mask, scores=None, sinks=sinks,
+                                         q_rotation=rotations[0], out_rotation=rotations[1])[0]
         q = self.store.prepare_queries(queries)
         out, _ = attention_with_scores(q, segments, scale=scale, mask=mask, scores=None, sinks=sinks)
         return self.store.restore_output(out, queries.dtype)

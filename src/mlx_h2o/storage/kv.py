@@ -100,6 +100,12 @@ class KVStorage(ABC):
         """An attention output over the stored values, back in the model's space and dtype."""
         return out
 
+    def rotations(self) -> Rotation:
+        """(q_rotation, out_rotation) when the attention op can do what prepare_queries and
+        restore_output do (`attention_with_scores`'s arguments: no primitives of their own), else
+        None (identity here)."""
+        return None
+
 
 # Dtypes a cache may store dense rows in (`kv_dtype`) other than the model's: on the CPU the model
 # computes in float32, and float16 rows halve a cache at no measurable perplexity cost (docs/cpu-decode.md).

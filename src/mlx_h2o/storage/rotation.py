@@ -168,6 +168,12 @@ class RotatedKV(KVWrapper):
     def restore_output(self, out, dtype):
         return self.rotation.output(out, dtype)
 
+    def rotations(self):
+        r = self.rotation
+        if r is None or r.lam_k is not None or r.lam_v is not None:  # (λ: queries() and output() scale too)
+            return None
+        return r.rk_t, r.rv  # what queries() and output() multiply by
+
     def state(self):
         return {"rows": self.inner.state(), "rotation": None if self.rotation is None else self.rotation.state}
 

@@ -50,6 +50,9 @@ class KVWrapper(KVStorage):
     def restore_output(self, out, dtype):
         return self.inner.restore_output(out, dtype)
 
+    def rotations(self):
+        return self.inner.rotations()
+
     def nbytes(self) -> int:
         return self.inner.nbytes()
 

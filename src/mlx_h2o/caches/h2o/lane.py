@@ -89,7 +89,12 @@ class Lane:
         (B, Hq, L, D) and sinks (the layer has `kv_heads`), folding the scores into the score column:
         (output in the model's space and dtype, the op's raw scores)."""
         store, T = self.store, self.archived
-        q = store.prepare_queries(self.queries_of(queries, kv_heads))  # rotated storage: <R q, R k> = <q, k>
+        # rotated storage: <R q, R k> = <q, k>; the op rotates the queries and output itself, unless
+        # expected attention needs the rotated queries
+        rotations = store.rotations() if scorer.expected == 0 else None
+        q = self.queries_of(queries, kv_heads)
+        if rotations is None:
+            q = store.prepare_queries(q)
         if scorer.expected > 0:
             self.track_queries(q)
         if sinks is not None:
@@ -101,15 +106,19 @@ class Lane:
             mask = _with_bias(mask, mx.where(dead, -mx.inf, 0.0), q.shape[1], q.shape[2])
         segments = self.segments(own)
 
+        q_rotation, out_rotation = rotations or (None, None)
+
         def op(q, mask, scores):
-            return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks)
+            return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks,
+                                         q_rotation=q_rotation, out_rotation=out_rotation)
 
         out, raw, stats, rows, live = scorer.observe(op, q, mask, kv_heads if self.heads is None else 1, T + store.live_length)
         alpha, beta = scorer.rule.coefficients(rows, live)
         if T:
             self.archive.accumulate("acc", stats[..., :T], alpha, beta)
         store.accumulate("acc", stats[..., T:] if T else stats, alpha, beta)
-        return mx.depends(store.restore_output(out, queries.dtype), self.updates()), raw
+        out = out if rotations else store.restore_output(out, queries.dtype)
+        return mx.depends(out, self.updates()), raw
 
     def updates(self) -> list:
         """What attention updates beside its output (the score columns, the running query
