@@ -209,7 +209,7 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q_in, con
   const Checked c = check_args(q_in, segments, scale, mask_mode, mask, scores, sinks);
   check_rotations(c, q_in, q_rotation, out_rotation);
   using namespace mlx::core;
-  const auto q = q_rotation ? matmul(astype(q_in, float32, s), *q_rotation, s) : q_in;
+  const auto q = q_rotation ? rotated(q_in, *q_rotation, float32, s) : q_in;
   const int B = c.B, Hq = c.Hq, Hkv = c.Hkv, L = c.L, N = c.N, G = Hq / Hkv;
   auto dense = [&](const KVInput& in) {
     auto a = [&](int i) { return leading(in.arrays[i], in.rows, s); };
@@ -248,7 +248,7 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q_in, con
   auto seen = any(greater(logits, neg_inf, s), std::vector<int>{-1}, true, s);
   probs = where(seen, probs, array(0.0f, float32), s);
   auto out = reshape(matmul(probs, vf, s), {B, Hq, L, c.Dv}, s);
-  out = astype(out_rotation ? matmul(out, *out_rotation, s) : out, q_in.dtype(), s);
+  out = out_rotation ? rotated(out, *out_rotation, q_in.dtype(), s) : astype(out, q_in.dtype(), s);
   if (c.score_mode == ScoreMode::mass) return {out, sum(probs, std::vector<int>{2, 3}, false, s)};
   if (c.score_mode == ScoreMode::logits) return {out, reshape(logits, {B, Hq, L, N}, s)};
   return {out};
@@ -363,12 +363,10 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
       q_rotated.resize(rows * p.Dk);
       const auto* base = static_cast<const char*>(p.q.data);
       const int64_t itemsize = mx::size_of(q_dtype);
-      int64_t r = 0;
-      for (int b = 0; b < p.B; ++b)
+      for (int b = 0; b < p.B; ++b)  // each (batch, head): its L rows, p.q.stride[2] apart
         for (int h = 0; h < p.Hq; ++h)
-          for (int l = 0; l < p.L; ++l, ++r)
-            rotate_rows_cpu(base + (b * p.q.stride[0] + h * p.q.stride[1] + l * p.q.stride[2]) * itemsize, q_dtype, p.Dk,
-                            q_rotation, q_rotated.data() + r * p.Dk, mx::float32, 1, p.Dk);
+          rotate_rows_cpu(base + (b * p.q.stride[0] + h * p.q.stride[1]) * itemsize, q_dtype, p.q.stride[2], q_rotation,
+                          q_rotated.data() + (int64_t{b} * p.Hq + h) * p.L * p.Dk, mx::float32, p.L, p.Dk);
       p.q.data = q_rotated.data();
       p.q.type = ElemType::float32;
       p.q.stride[0] = int64_t{p.Hq} * p.L * p.Dk, p.q.stride[1] = int64_t{p.L} * p.Dk, p.q.stride[2] = p.Dk, p.q.stride[3] = 1;

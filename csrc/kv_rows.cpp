@@ -28,12 +28,6 @@ void with_float_type(mx::Dtype t, F&& f) {
   }
 }
 
-
-/** The stock-ops definition of a rotation: x @ rotation in float32, then `dtype`. */
-mx::array rotated(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::Stream s) {
-  return mx::astype(mx::matmul(mx::astype(x, mx::float32, s), rotation, s), dtype, s);
-}
-
 // The rotation's sums are most of what these ops cost at decode: 4096 multiply-adds in float64 per
 // row of 64, for 18 rows a layer and step (the query and output rotations, the new K and V rows of
 // each packed buffer). Built for the baseline x86-64 that is 2 doubles per instruction; with GCC on
@@ -152,6 +146,10 @@ void quantize_rows(const RowsProblem& p, const T* x, const float* rotation, void
 }
 
 }  // namespace
+
+mx::array rotated(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::StreamOrDevice s) {
+  return mx::astype(mx::matmul(mx::astype(x, mx::float32, s), rotation, s), dtype, s);
+}
 
 void check_rotation(const mx::array& rotation, int D, const std::string& what, const mx::array& x) {
   if (rotation.dtype() != mx::float32 || rotation.shape() != mx::Shape{D, D})

@@ -37,6 +37,10 @@ mx::array rotate_rows(const mx::array& x, const mx::array& rotation, mx::Dtype d
 void rotate_rows_cpu(const void* x, mx::Dtype x_type, int64_t x_row_stride, const float* rotation, void* out,
                      mx::Dtype out_type, int64_t rows, int64_t D);
 
+/** The stock-ops definition of rotate_rows: x @ rotation in float32, then `dtype` (what the composed
+ *  paths run, off the CPU and for vjp / jvp / vmap). */
+mx::array rotated(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::StreamOrDevice s = {});
+
 /** A ValueError unless `rotation` is a float32 (D, D) array for the rows of x (`what` names it). */
 void check_rotation(const mx::array& rotation, int D, const std::string& what, const mx::array& x);
 

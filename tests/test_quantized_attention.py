@@ -256,11 +256,13 @@ def test_rotations_inside_the_op_equal_rotate_rows_around_it(dtype):
     rq, ro = (mx.array(np.linalg.qr(rng.standard_normal((64, 64)))[0].astype(np.float32)) for _ in range(2))
     segments = [(PackedKV(*mx.quantize(k[:, :, :30], group_size=32, bits=4), 4, 32), PackedKV(*mx.quantize(v[:, :, :30], group_size=32, bits=8), 8, 32)),
                 (k[:, :, 30:], v[:, :, 30:])]
-    out, mass = attention_with_scores(q, segments, scale=0.125, mask="causal", q_rotation=rq, out_rotation=ro)
-    inner, want_mass = attention_with_scores(mlx_h2o._ext.rotate_rows(q, rq, mx.float32), segments, scale=0.125, mask="causal")
-    want = mlx_h2o._ext.rotate_rows(inner, ro, dtype)
-    assert out.dtype == dtype and np.array_equal(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)))
-    assert np.array_equal(np.array(mass), np.array(want_mass))
+    strided = mx.contiguous(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # (B, Hq, L, D) as a model's transpose gives it
+    for queries in (q, strided):
+        out, mass = attention_with_scores(queries, segments, scale=0.125, mask="causal", q_rotation=rq, out_rotation=ro)
+        inner, want_mass = attention_with_scores(mlx_h2o._ext.rotate_rows(q, rq, mx.float32), segments, scale=0.125, mask="causal")
+        want = mlx_h2o._ext.rotate_rows(inner, ro, dtype)
+        assert out.dtype == dtype and np.array_equal(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)))
+        assert np.array_equal(np.array(mass), np.array(want_mass))
     c_out, c_mass = attention_with_scores(q, segments, scale=0.125, mask="causal", q_rotation=rq, out_rotation=ro, composed=True)
     c_inner, c_want_mass = attention_with_scores(q.astype(mx.float32) @ rq, segments, scale=0.125, mask="causal", composed=True)
     tol = 1e-5 if dtype == mx.float32 else 1e-2

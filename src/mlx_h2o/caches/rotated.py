@@ -37,13 +37,12 @@ class RotatedQuantizedKVCache(AttendingCache):
         return self.store.fetch()
 
     def attend(self, queries, segments, _values, *, scale, mask=None, sinks=None):
-        rotations = self.store.rotations()
-        if rotations is not None:  # the op rotates the queries and output itself
-            return attention_with_scores(queries, segments, scale=scale, mask=mask, scores=None, sinks=sinks,
-                                         q_rotation=rotations[0], out_rotation=rotations[1])[0]
-        q = self.store.prepare_queries(queries)
-        out, _ = attention_with_scores(q, segments, scale=scale, mask=mask, scores=None, sinks=sinks)
-        return self.store.restore_output(out, queries.dtype)
+        rotations = self.store.rotations()  # the op rotates the queries and output itself, else the store
+        q = queries if rotations else self.store.prepare_queries(queries)
+        q_rotation, out_rotation = rotations or (None, None)
+        out, _ = attention_with_scores(q, segments, scale=scale, mask=mask, scores=None, sinks=sinks,
+                                       q_rotation=q_rotation, out_rotation=out_rotation)
+        return out if rotations else self.store.restore_output(out, queries.dtype)
 
     @property
     def lambdas(self):
