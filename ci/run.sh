@@ -101,7 +101,10 @@ unit() {  # unit PYTHON MODULE...: MLX's unittest modules, their count line (all
   shift
   log="$(mktemp)"
   echo "unittest $*${MLX_CPU_QMM_INT8:+ (MLX_CPU_QMM_INT8=$MLX_CPU_QMM_INT8)}"
-  if ! "$py" -m unittest "$@" >"$log" 2>&1; then
+  # Seeded: MLX's tests draw from NumPy's global generator unseeded, and some fail on rare draws
+  # whatever the build (test_divmod's float16 floor, off by one near an integer: about 3 in 1,000
+  # draws on PyPI's MLX as on the fork's).
+  if ! "$py" -c 'import sys, unittest, numpy; numpy.random.seed(0); unittest.main(module=None, argv=["unittest", *sys.argv[1:]])' "$@" >"$log" 2>&1; then
     grep -v '^\.*$' "$log" | tail -n 150
     exit 1
   fi
