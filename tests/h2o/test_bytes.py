@@ -98,8 +98,12 @@ def test_footprint_never_exceeds_the_byte_budget(overrides, options, budget):
     c = layers[0]
     assert c.offset == sum(CHUNKS) and (c.evictions > 0 or c.budget.max_kv_size >= sum(CHUNKS))
     if "kv_bits" not in options:
-        assert c.config.storage.kv_bits == ("4/8" if overrides else None) and c.config.storage.rotate == bool(overrides)
-        assert c.config.storage.kv_recent_rows == options.get("kv_recent_rows", 64 if overrides else None)
+        storage = c.config.storage
+        assert storage.kv_bits == ("4/8" if overrides else None) and storage.rotate == bool(overrides)
+        assert storage.kv_recent_rows == options.get("kv_recent_rows", 64 if overrides else None)
+        # packed: float16 rows (scales and biases) and a scale per 64 values, unless given
+        assert storage.kv_dtype == options.get("kv_dtype", "float16" if overrides else None)
+        assert storage.group_size == (64 if overrides else 32)
     assert c.config.budget.split == options.get("split", "balanced" if overrides else "heavy")  # the rule's unless given
 
 
@@ -118,10 +122,40 @@ def test_budget_resolves_the_largest_m_that_fits():
     per_layer = 400_000 // 2
     H, dims = c.shape[1], c.head_dims
     unresolved = {**c.config.options(), "heavy": None, "recent": None, "evict_every": None}  # as the rule resolves them
-    assert layer_bound(c.config, H, dims, 4) <= per_layer < layer_bound(_config_at(unresolved, m_large + 1), H, dims, 4)
-    # Held to the bytes of an fp32 window of T tokens, the packed cache keeps several times T (136 / 512 bytes an entry at d = 64).
+    stored = 2  # the rule keeps the float32 model's rows as float16 before packing: 2-byte scales and biases
+    assert c.config.storage.kv_dtype == "float16"
+    assert layer_bound(c.config, H, dims, stored) <= per_layer < layer_bound(_config_at(unresolved, m_large + 1), H, dims, stored)
+    # Held to the bytes of an fp32 window of T tokens, the packed cache keeps several times T (80 / 512 bytes an entry at d = 64
+    # in the 4-bit tier, group 64).
     T = 400_000 / (2 * full_token_bytes(H, dims, 4))
-    assert m_large > 3 * T
+    assert m_large > 4 * T
+
+
+@pytest.mark.parametrize("options, dtype, group", [
+    (dict(), "float16", 64),  # the rule's
+    (dict(kv_dtype="float32"), "float32", 64),
+    (dict(kv_group_size=32), "float16", 32),
+    (dict(kv_bits="8"), None, 32),  # a user's storage is taken as given: the model's dtype, the default group
+    (dict(kv_bits="8", kv_group_size=64, kv_dtype="float16"), "float16", 64),
+])
+def test_byte_rule_storage_yields_to_the_users_options(options, dtype, group):
+    model = tiny_model("llama", head_dim=64)
+    caches = mlx_h2o.make_cache(model, "h2o", max_kv_bytes="300KB", **options)
+    mx.eval(model(mx.array(tokens(8)[None]), cache=caches))
+    storage = caches[0].config.storage
+    assert (storage.kv_dtype, storage.group_size) == (dtype, group)
+    store = caches[0].lanes[0].store.inner  # (under the columns)
+    keys = store.inner.high.k.arrays if "kv_bits" not in options else store.k.arrays  # (rotated tiers; one format)
+    assert keys[1].dtype == getattr(mx, dtype or "float32") and keys[1].shape[-1] == 64 // group  # scales as stored
+
+
+def test_byte_rule_groups_by_32_where_64_does_not_divide():
+    from mlx_h2o.caches.h2o.bytes import rule_for
+
+    assert rule_for(256, (64, 64)).kv_group_size == 64
+    assert rule_for(256, (96, 96)).kv_group_size == 32 and rule_for(256, (96, 96)).kv_bits == "4/8"
+    assert rule_for(256, (16, 16)).kv_bits is None  # no group divides: the model's dtype
+    assert rule_for(256, (64, 64), group_size=128).kv_bits is None
 
 
 def test_budget_too_small_names_the_smallest_that_works():

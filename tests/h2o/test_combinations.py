@@ -26,6 +26,7 @@ from tiny_models import tiny_model
 
 import mlx_h2o
 from mlx_h2o.caches.h2o.lane import join_outputs
+from mlx_h2o.caches.h2o.storage import DEFAULT_GROUP_SIZE
 
 MODEL = dict(head_dim=64, hidden_size=128, max_position_embeddings=1024)  # head dim 64: every group size divides it
 M, LARGE = 16, 256  # the budget of bounded cases; one larger than any text here (nothing evicted)
@@ -123,7 +124,7 @@ def _packed_rows(name, opts):
     if name == "rotated":
         return (opts["bits"],) * 2, opts["group_size"], True
     if name == "h2o" and opts["kv_bits"] is not None:
-        return H2O_ROWS[opts["kv_bits"]], opts["kv_group_size"], opts["rotate"]
+        return H2O_ROWS[opts["kv_bits"]], opts["kv_group_size"] or DEFAULT_GROUP_SIZE, opts["rotate"]
     return None
 
 

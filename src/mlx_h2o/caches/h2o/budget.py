@@ -104,7 +104,7 @@ class Budget:
                                              "token ranges never evicted (outside the budget)")
     max_kv_bytes: Optional[int] = option(
         Bytes(), None,
-        "instead of max_kv_size: KV bytes per sequence over all h2o layers; picks kv_bits, rotate, the archive and M "
+        "instead of max_kv_size: KV bytes per sequence over all h2o layers; picks kv_bits, rotate, kv_group_size, kv_dtype, the archive and M "
         "for them and never holds more (docs/h2o.md#byte-budget)")
 
     @classmethod

@@ -154,11 +154,12 @@ class H2OKVCache(SharesGroup, AttendingCache):
         if self._awaiting_scores and not self.scoreless:
             warnings.warn(NO_SCORES, RuntimeWarning, stacklevel=2)
         self.scoreless |= self._awaiting_scores
+        if self.lanes is None and not self.config.budget.resolved:
+            # in the model's dtype: the budget is in its tokens, and the rule may choose kv_dtype
+            self._resolve(keys.shape[1], (keys.shape[-1], values.shape[-1]), keys.dtype.size)
         keys, values = stored_as(self.config.storage.kv_dtype, keys, values)
         B, H, L, _ = keys.shape
         if self.lanes is None:
-            if not self.config.budget.resolved:
-                self._resolve(H, (keys.shape[-1], values.shape[-1]), keys.dtype.size)
             self.config.storage.check_rows(keys, values, packed=self.config.keeper.evicted_bits is not None)
             self._start(B, H, (keys.shape[-1], values.shape[-1]), str(keys.dtype).split(".")[-1])
         elif (B, H) != self.shape:

@@ -86,7 +86,7 @@ class Keeper:
         moved = self.moved(budget)
         if not moved:
             return budget, 0
-        dims = (*head_dims, storage.kv_group_size, itemsize)
+        dims = (*head_dims, storage.group_size, itemsize)
         own, low = (row_bytes(f, *dims) + BOOKKEEPING_BYTES for f in (storage.tiers()[0], self.archive_format))
         return budget.for_layer(budget.max_kv_size - moved), moved * own // low
 
@@ -127,6 +127,9 @@ class Keeper:
         # more than a byte budget counts (bytes.py).
         archive.append(gather_rows(keys, dropped).astype(dtype), gather_rows(values, dropped).astype(dtype),
                        A + n - keep, acc=acc, pos=pos)
+        # Written now, not when next read: the gathered scores and positions would wait beside the
+        # column buffers the byte budget counts, one eviction's more at each, until the archive fills.
+        archive.written_columns()
         if archive.length > A:
             priority = rule.priority(archive.column("acc"), archive.column("pos"), offset)
             idx = select_entries(priority, mx.zeros(priority.shape, mx.bool_), A, False)

@@ -127,9 +127,11 @@ class Lane:
         without bound under an M not reached). The output depends on them, so they are evaluated
         with the step: a separate evaluation of them every few tokens (an `async_eval` per layer,
         60-300 µs each) cost more than their few primitives."""
-        # (The other columns change only at an append or an eviction, not from step to step.)
-        scores = [store.columns["acc"] for store in self.stores() if store.columns]
-        return scores + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
+        # (The lane's other columns change only at an append or an eviction, not from step to step;
+        # the archive's all change at an eviction, which writes them at once: keeper.py.)
+        scores = [self.store.columns["acc"]] if self.store.columns else []
+        archived = list(self.archive.columns.values()) if self.archive is not None and self.archive.columns else []
+        return scores + archived + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
 
     def trimmable(self, n: int, offset: int) -> int:
         """How many of the newest n tokens this lane can forget: its trailing run of consecutive
@@ -192,7 +194,7 @@ def make_lanes(config, seed: int, B: int, H: int, budget=None):
     fixed = budget.layer_budget != "dispersion" and budget.recent >= window
     slack = max(0, min(window + budget.evict_every, budget.max_kv_size) - window) if fixed else 0
     return [Lane(entry_store(config.storage.make(window, seed, slack), merges, masks_shared),
-                 None if fmt is None else archive_store(fmt, config.storage.kv_group_size), *w) for w in where]
+                 None if fmt is None else archive_store(fmt, config.storage.group_size), *w) for w in where]
 
 
 def join_outputs(outs, shape):

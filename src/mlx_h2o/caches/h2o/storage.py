@@ -13,6 +13,7 @@ from ...storage import DEFAULT_LAMBDA, KV_DTYPE_HELP, KV_DTYPES, LAMBDA_MODES, K
 KV_BITS = ("8", "4", "8/4", "4/8", "8/fp", "4/fp", "k8v4", "k4v8", "k8v4/8", "k8v4/fp")
 KV_BITS_ALIASES = (("mixed", "4/8"), (8, "8"), (4, "4"))
 KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 32  # kv_group_size unset, outside a byte budget
 
 
 def tier_bits(tier: str):
@@ -82,12 +83,12 @@ class Storage:
         with OLDER/RECENT kv_bits, how many of the newest rows are kept in the RECENT format (unset:
         the whole recent window); the rest of the recent window is stored as the older rows are.
     kv_group_size:
-        values sharing one scale and bias when packed.
+        values sharing one scale and bias when packed (unset: 32, or a byte budget's rule, bytes.py).
     rotate, rotate_lam:
         rotate K/V before packing, with an optional per-coordinate scale (storage/rotation.py).
     kv_dtype:
-        the dtype rows are kept in before any packing (unset: the model's); packed rows' scales and
-        biases take it too, and a byte budget counts its size.
+        the dtype rows are kept in before any packing (unset: the model's, or under a byte budget the
+        rule's); packed rows' scales and biases take it too, and a byte budget counts its size.
     """
 
     kv_bits: Optional[str] = option(
@@ -95,10 +96,17 @@ class Storage:
         "store K/V packed: 8, 4, `k8v4` (8-bit keys, 4-bit values), or OLDER/RECENT formats (`fp` = model dtype; `mixed` = 4/8); unset: model dtype")
     kv_recent_rows: Optional[int] = option(
         Int(1), None, "with OLDER/RECENT kv_bits: the newest rows kept in the RECENT format (unset: the whole recent window)")
-    kv_group_size: int = option(Choice(KV_GROUP_SIZES), 32, "values sharing one scale and bias when packed")
+    kv_group_size: Optional[int] = option(
+        Choice(KV_GROUP_SIZES), None, "values sharing one scale and bias when packed (unset: 32, or the byte budget's rule)")
     rotate: bool = option(Flag(), False, "rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality")
     rotate_lam: str = option(Choice(LAMBDA_MODES, ((None, "none"),)), DEFAULT_LAMBDA, "per-coordinate scale of the rotation")
-    kv_dtype: Optional[str] = option(Choice(KV_DTYPES), None, KV_DTYPE_HELP)
+    kv_dtype: Optional[str] = option(
+        Choice(KV_DTYPES), None, KV_DTYPE_HELP[:-1] + "; packed under a byte budget: float16 for a float32 model, the rule's)")
+
+    @property
+    def group_size(self) -> int:
+        """kv_group_size, or its default."""
+        return self.kv_group_size or DEFAULT_GROUP_SIZE
 
     @property
     def single_format(self) -> bool:
@@ -126,13 +134,13 @@ class Storage:
         """Rows as configured: one format or older/recent tiers (the newest `window` rows recent, and
         up to `slack` more before they demote), rotated (seeded) or not."""
         older, recent = self.tiers()
-        store = make_kv_storage(older, recent, window, self.kv_group_size)
+        store = make_kv_storage(older, recent, window, self.group_size)
         if isinstance(store, TieredKV):
-            store = WindowTieredKV(older, recent, window, self.kv_group_size, slack)
+            store = WindowTieredKV(older, recent, window, self.group_size, slack)
         return RotatedKV(store, seed, self.rotate_lam) if self.rotate else store
 
     def check_rows(self, keys, values, packed: bool = False) -> None:
         """Packed rows (kv_bits, or `packed`: an archive) need a group size that divides the head dimension."""
         if self.kv_bits is not None or packed:
             for x in (keys, values):
-                check_group_size("kv_group_size", self.kv_group_size, x.shape[-1])
+                check_group_size("kv_group_size", self.group_size, x.shape[-1])
