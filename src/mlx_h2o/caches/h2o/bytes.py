@@ -143,8 +143,7 @@ def resolve(config, layer_bytes: int, heads: int, head_dims, itemsize: int, tota
             options.update(kv_group_size=rule.kv_group_size)
         if options["kv_dtype"] is None and rule.kv_dtype is not None and itemsize > getattr(mx, rule.kv_dtype).size:
             options.update(kv_dtype=rule.kv_dtype)
-    if options["kv_dtype"] is not None:  # the bound counts rows and scales as stored
-        itemsize = getattr(mx, options["kv_dtype"]).size
+    stored = itemsize if options["kv_dtype"] is None else getattr(mx, options["kv_dtype"]).size  # rows and scales as kept
     if options["split"] is None:
         options.update(split=rule.split)
     if options["evicted_bits"] is None:
@@ -152,11 +151,11 @@ def resolve(config, layer_bytes: int, heads: int, head_dims, itemsize: int, tota
 
     def fits(M):
         c = _config_at(options, M)
-        return c is not None and layer_bound(c, heads, head_dims, itemsize) <= layer_bytes
+        return c is not None and layer_bound(c, heads, head_dims, stored) <= layer_bytes
 
     low = next((M for M in range(1, 4097) if _config_at(options, M) is not None), None)
     if low is None or not fits(low):
-        need = None if low is None else layer_bound(_config_at(options, low), heads, head_dims, itemsize) * layers
+        need = None if low is None else layer_bound(_config_at(options, low), heads, head_dims, stored) * layers
         given = total if total is not None else layer_bytes
         smallest = "" if need is None else (f"; the smallest that works here is {given.in_unit(need) if hasattr(given, 'in_unit') else need} "
                                            f"({need} bytes: M = {low})")
