@@ -3,15 +3,17 @@ spends its step against the sliding windows of the same bytes.
 
     python benchmarks/bench_bytes_decode.py                       # 2048 tokens, 1/8 of the full cache's bytes
     python benchmarks/bench_bytes_decode.py --fraction 0.25 --steps 256
+    python benchmarks/bench_bytes_decode.py --cache "h2o as given=h2o:max_kv_bytes={B},kv_bits=4/8,rotate=true"
 
 The caches are the demo's (`mlx-h2o demo`): full, the fp window (mlx-lm's RotatingKVCache), the 8-bit
-window and h2o at the budget. Each takes the same --context tokens (the GPL-3 text, in the demo's
+window and h2o at the budget, and any --cache given. Each takes the same --context tokens (the GPL-3 text, in the demo's
 256-token chunks), then the caches decode in turn, one greedy step each, so a slow period of the
 machine hits all of them. Per cache: the median time to build the step's graph (Python) and to
 evaluate it, their sum, the mean step and the speed it gives relative to the fp window's (tokens
 over time, so the periodic steps count), and the primitives one step's graph
-has (`mx.export_to_dot`); and the fused kernel alone over h2o's rows, dense and packed. To compare two builds, run it under each (PYTHONPATH=A, then B, ...). Run
-it on a quiet machine: it waits for one and records the load.
+has (`mx.export_to_dot`); and the fused kernel alone over h2o's rows, dense and packed. To compare
+two configurations, give one as a --cache (steps alternate in one process); two builds, run it
+under each (PYTHONPATH=A, then B, ...). Run it on a quiet machine: it waits for one and records the load.
 """
 
 import argparse
@@ -62,6 +64,9 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--fraction", type=float, default=0.125, help="the budget, a fraction of the full cache's bytes")
     p.add_argument("--steps", type=int, default=128, help="decode steps per cache")
+    p.add_argument("--cache", action="append", default=[], metavar="NAME=SPEC",
+                   help="another cache to step beside the demo's (repeatable): a policy spec where {B} is the budget in bytes, "
+                        "{M} the fp window's entries")
     add_quiet_arguments(p)
     args = p.parse_args(argv)
 
@@ -71,12 +76,14 @@ def main(argv=None):
     import mlx.core as mx
 
     from mlx_h2o.evaluation.demo import CHUNK, DEMO_CACHES
-    from mlx_h2o.evaluation.suite import equal_byte_specs
+    from mlx_h2o.evaluation.suite import equal_byte_specs, parse_caches
+
+    extra = parse_caches(args.cache)  # (a bad spec fails before the model loads)
 
     model, tokenizer = mlx_h2o.load()
     with open("/usr/share/common-licenses/GPL-3", encoding="utf-8") as f:
         ids = mx.array(tokenizer.encode(f.read() * 4)[: args.context])[None]
-    specs = equal_byte_specs(model, args.context, [args.fraction], caches=DEMO_CACHES)
+    specs = equal_byte_specs(model, args.context, [args.fraction], caches=DEMO_CACHES + extra)
     caches = {}
     for s in specs:
         cache = mlx_h2o.make_cache(model, s.policy, **s.options)

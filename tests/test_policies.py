@@ -39,6 +39,7 @@ VARIANTS = [
     ("h2o", {"evicted_bits": "k8v4", "kv_bits": 8, "evicted_share": 0.25}),
     ("h2o", {"kv_dtype": "float16"}),
     ("h2o", {"kv_bits": "4/8", "rotate": True, "kv_dtype": "bfloat16"}),
+    ("h2o", {"kv_bits": "4/8", "rotate": True, "kv_recent_rows": 4, "kv_sink_rows": 2, "center_keys": True}),
     ("full", {"kv_dtype": "float16"}),
     ("rotating", {"kv_dtype": "bfloat16"}),
 ]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_h2o import PackedKV, attention_with_scores
-from mlx_h2o.storage import KVStore, kv, RotatedKV, TieredKV, gather_rows, make_kv_storage
+from mlx_h2o.storage import CenteredKeysKV, KVStore, kv, RotatedKV, SinkRowsKV, TieredKV, gather_rows, make_kv_storage
 
 B, H, D = 2, 3, 64
 GROUP = 32
@@ -282,3 +282,77 @@ def test_gather_rows_matches_take_along_axis():
     a = mx.array(rng.standard_normal((B, H, 20, 5)).astype(np.float32))
     idx = mx.array(rng.integers(0, 20, (B, H, 11)).astype(np.int32))
     np.testing.assert_array_equal(np.array(gather_rows(a, idx)), np.take_along_axis(np.array(a), np.array(idx)[..., None], axis=2))
+
+
+def test_centred_keys_attend_like_the_plain_rows():
+    """Keys stored less their mean (fixed when the rows first pass `after`, the sink rows left out,
+    the rows held then written again centred): the same attention and the same rows read back as
+    the plain rows, rotated or not (dense tiers: no rounding), before and after the centre is
+    fixed, and after a state round trip."""
+    rng = np.random.default_rng(11)
+    after, skip = 6, 1
+    for rotated in (False, True):
+        wrap = (lambda s: RotatedKV(s, seed=5)) if rotated else (lambda s: s)
+        store = wrap(CenteredKeysKV(TieredKV(None, None, 4, GROUP), after, skip))
+        plain = wrap(TieredKV(None, None, 4, GROUP))
+        centred = store.inner if rotated else store
+        chunks = []
+        for n in (3, 2, 5, 1, 4):
+            k, v = _rows(rng, n)
+            chunks.append(k)
+            store.append(k, v)
+            plain.append(k, v)
+            assert (centred.center is None) == (store.length <= after)
+            q = mx.array(rng.standard_normal((B, 2 * H, 2, D)).astype(np.float32))
+            want, _ = attention_with_scores(plain.prepare_queries(q), plain.segments(), scale=D**-0.5, mask="causal", scores=None)
+            out, _ = attention_with_scores(store.prepare_queries(q), store.segments(), scale=D**-0.5, mask="causal", scores=None)
+            np.testing.assert_allclose(np.array(store.restore_output(out, q.dtype)), np.array(plain.restore_output(want, q.dtype)),
+                                       atol=2e-5, rtol=1e-4)
+            for got, ref in zip(store.read_rows(), plain.read_rows()):
+                np.testing.assert_allclose(np.array(got), np.array(ref), atol=2e-5)
+        keys = np.concatenate([np.array(c) for c in chunks], axis=2)
+        # fixed by the call that passed `after` rows (3 + 2 + 5), from the rows after the sink
+        np.testing.assert_allclose(np.array(centred.center), keys[:, :, skip:10].mean(axis=2, keepdims=True), atol=1e-5)
+        assert store.nbytes() == plain.nbytes() + 2 * B * H * D * 4  # the centre is counted (model and stored space)
+        loaded = wrap(CenteredKeysKV(TieredKV(None, None, 4, GROUP), after, skip))
+        loaded.load(store.state())
+        more = _rows(rng, 2)
+        for s in (store, loaded):
+            s.append(*more)
+        for a, b in zip(store.read_rows(), loaded.read_rows()):
+            assert mx.array_equal(a, b)
+
+
+def test_sink_rows_keep_their_format_through_gathers_and_trims():
+    """The first `count` rows in their own format (8-bit) before a tiered storage's rows: gathers
+    that keep them (as a cache's protected sinks) and trims leave them in place."""
+    rng = np.random.default_rng(12)
+    count, window = 2, 4
+    store, ref = SinkRowsKV(TieredKV(4, None, window, GROUP), count, 8, GROUP), Reference()
+    for step in range(10):
+        k, v = _rows(rng, int(rng.integers(1, 6)))
+        store.append(k, v, None if step % 2 else 40)
+        ref.append(k, v)
+        n = store.length
+        if step % 3 == 2 and n > count + window + 2:
+            keep = int(rng.integers(count + window + 1, n))
+            rest = _keep_idx(rng, n - count, keep - count, window)
+            idx = mx.concatenate([mx.broadcast_to(mx.arange(count, dtype=mx.int32), (B, H, count)), rest + count], axis=2)
+            store.gather(idx, keep, window, capacity=keep + 3)
+            ref.gather(idx)
+        if step == 7:
+            store.trim(2)
+            ref.trim(2)
+        assert store.length == ref.k.shape[2]
+    (sk, sv), *rest = store.segments()
+    _assert_segment(sk, mx.array(ref.k[:, :, :count]), 8)
+    _assert_segment(sv, mx.array(ref.v[:, :, :count]), 8)
+    keys, values = store.read_rows()
+    np.testing.assert_allclose(np.array(keys)[:, :, :count], _through(mx.array(ref.k[:, :, :count]), 8), atol=1e-6)
+    np.testing.assert_allclose(np.array(keys)[:, :, -window:], ref.k[:, :, -window:], atol=1e-6)  # the dense window
+    assert np.abs(np.array(values) - ref.v).max() < 0.5  # the older rows at 4 bits
+    loaded = SinkRowsKV(TieredKV(4, None, window, GROUP), count, 8, GROUP)
+    loaded.load(store.state())
+    assert loaded.length == store.length and loaded.nbytes() == store.nbytes()
+    with pytest.raises(ValueError, match="cannot be rewritten"):
+        store.write_rows(mx.zeros((B, H, 1), mx.int32), keys[:, :, :1], values[:, :, :1])

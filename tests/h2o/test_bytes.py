@@ -78,6 +78,7 @@ CONFIGS = [
     (dict(head_dim=64), dict(kv_bits="4", rotate=True, split="balanced", select="layer")),
     (dict(head_dim=64), dict(kv_recent_rows=8, split="recent")),
     (dict(head_dim=64), dict(kv_dtype="float16")),  # the rule's packed rows, float16 scales and biases
+    (dict(head_dim=64), dict(kv_sink_rows=2, sink=3)),
     (dict(), dict(kv_dtype="bfloat16")),  # dense rows at half the bytes
     (dict(), dict(merge=0.5)),
 ]
@@ -101,6 +102,9 @@ def test_footprint_never_exceeds_the_byte_budget(overrides, options, budget):
         storage = c.config.storage
         assert storage.kv_bits == ("4/8" if overrides else None) and storage.rotate == bool(overrides)
         assert storage.kv_recent_rows == options.get("kv_recent_rows", 64 if overrides else None)
+        assert storage.kv_sink_rows == options.get("kv_sink_rows", 4 if overrides else None)
+        # keys less their mean, unless the user keeps an archive (its rows are not centred)
+        assert storage.center_keys == (bool(overrides) and "evicted_bits" not in options)
         # packed: float16 rows (scales and biases) and a scale per 64 values, unless given
         assert storage.kv_dtype == options.get("kv_dtype", "float16" if overrides else None)
         assert storage.group_size == (64 if overrides else 32)
@@ -145,7 +149,8 @@ def test_byte_rule_storage_yields_to_the_users_options(options, dtype, group):
     storage = caches[0].config.storage
     assert (storage.kv_dtype, storage.group_size) == (dtype, group)
     store = caches[0].lanes[0].store.inner  # (under the columns)
-    keys = store.inner.high.k.arrays if "kv_bits" not in options else store.k.arrays  # (rotated tiers; one format)
+    # (the rule's: rotated, centred, sink rows, then the tiers; a user's one format as it is)
+    keys = store.inner.inner.rest.high.k.arrays if "kv_bits" not in options else store.k.arrays
     assert keys[1].dtype == getattr(mx, dtype or "float32") and keys[1].shape[-1] == 64 // group  # scales as stored
 
 

@@ -47,6 +47,7 @@ H2O = [
     dict(merge=0.5), dict(evicted_bits=2), dict(evicted_bits=4), dict(evicted_bits="k8v4", evicted_share=0.25),
     # storage
     dict(kv_bits=8), dict(kv_bits=4), dict(kv_bits="mixed"), dict(kv_bits="k8v4"), dict(rotate=True), dict(kv_bits=4, rotate=True),
+    dict(kv_bits="mixed", kv_sink_rows=2, center_keys=True, rotate=True),
     # crossed
     dict(head_budget="adaptive", kv_bits="mixed"), dict(head_budget="adaptive", layer_budget="pyramid", chunk=4),
     dict(evicted_bits=2, kv_bits="mixed", rotate=True), dict(select="layer", evicted_bits=4), dict(select="layer", merge=0.5),

@@ -5,12 +5,15 @@ src/mlx_h2o/storage itself.)"""
 import mlx.core as mx
 import numpy as np
 import pytest
+from attention_reference import float_queries
+from attention_reference import reference as float64_attention
 from decoding import greedy, step_logits, tokens
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as lm_cache
 from tiny_models import tiny_model
 
 import mlx_h2o
+from mlx_h2o.caches.h2o import H2OKVCache
 
 from .references import column
 
@@ -137,6 +140,9 @@ def test_low_bit_caches_save_load_and_trim(tmp_path):
         (dict(rotate=True, rotate_lam="calibrated"), r"rotate_lam must be one of 'none', 'prefill'"),
         (dict(kv_bits="4", kv_recent_rows=8), r"kv_recent_rows needs two formats in kv_bits \(OLDER/RECENT, e.g. 4/8\), got kv_bits='4'"),
         (dict(kv_bits="4/8", kv_recent_rows=0), r"kv_recent_rows must be an integer >= 1"),
+        (dict(kv_bits="4", kv_sink_rows=4), r"kv_sink_rows needs two formats in kv_bits \(OLDER/RECENT, e.g. 4/8\), got kv_bits='4'"),
+        (dict(center_keys=True), r"center_keys needs two formats in kv_bits \(OLDER/RECENT, e.g. 4/8\), got kv_bits=None"),
+        (dict(kv_bits="4/8", center_keys=True, evicted_bits=2), r"center_keys does not combine with an archive of evicted entries \(evicted_bits\)"),
     ],
 )
 def test_bad_low_bit_options_raise_value_error(options, match):
@@ -177,3 +183,29 @@ def test_two_tiers_demote_a_batch_of_rows_per_slack_tokens():
             for got, want in zip(batched.low.read_rows(), single.low.read_rows()):
                 np.testing.assert_array_equal(np.array(got), np.array(want[:, :, :n]))
     assert demotions == (40 - window - 1) // slack
+
+
+@pytest.mark.parametrize("arch, lam", [("llama", "none"), ("gpt_oss", "none"), ("gpt_oss", "prefill")])
+def test_centred_keys_attend_as_their_rows_say(arch, lam):
+    """Keys stored less their mean: one more query through each layer equals float64 attention over
+    the rows read back (the mean added back), with a model's learned attention sinks too (their logit
+    is not shifted: the cache adds q . c back to the others), whether the op rotates the query or
+    the storage does (a λ scale)."""
+    model = tiny_model(arch, head_dim=32)
+    options = dict(kv_bits="4/8", rotate=True, rotate_lam=lam, center_keys=True, kv_sink_rows=2, kv_recent_rows=4)
+    cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, evict_every=2, **options)
+    step_logits(model, tokens(40, seed=3, batch=2), cache)
+    rng = np.random.default_rng(4)
+    for c in (c for c in cache if isinstance(c, H2OKVCache)):
+        store = c.lanes[0].store
+        assert store.key_center() is not None and c.evictions > 0
+        B, H = c.shape
+        Hq, D = model.args.num_attention_heads, c.head_dims[0]
+        q = mx.array(rng.standard_normal((B, Hq, 1, D)).astype(np.float32))
+        sinks = mx.array(rng.standard_normal((Hq,)).astype(np.float32)) if arch == "gpt_oss" else None
+        with float_queries():
+            got = np.array(c.attend(q, *store.fetch(), scale=D**-0.5, sinks=sinks))
+        keys, values = store.read_rows()
+        out, _, _ = float64_attention(store.prepare_queries(q), keys, values, D**-0.5, sinks=sinks)
+        want = np.array(store.restore_output(mx.array(out.astype(np.float32)), q.dtype))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -11,9 +11,9 @@
 """
 
 from .columns import ColumnedKV
-from .kv import KV_DTYPE_HELP, KV_DTYPES, KVStorage, KVStore, TieredKV, make_kv_storage, role_bits, stored_as
+from .kv import KV_DTYPE_HELP, KV_DTYPES, KVStorage, KVStore, SinkRowsKV, TieredKV, make_kv_storage, role_bits, stored_as
 from .reserved import ReservedBuffer, check_capacity
-from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, KVRotation, RotatedKV
+from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, CenteredKeysKV, KVRotation, RotatedKV
 from .rows import GROW_STEP, RowStore, check_group_size, flat_rows, gather_rows, grown_capacity, pad_indices
 from .wrapper import KVWrapper
 
@@ -29,8 +29,10 @@ __all__ = [
     "KVWrapper",
     "LAMBDA_MODES",
     "ReservedBuffer",
+    "CenteredKeysKV",
     "RotatedKV",
     "RowStore",
+    "SinkRowsKV",
     "TieredKV",
     "check_capacity",
     "check_group_size",

@@ -1,5 +1,5 @@
-"""K/V storage for caches: K and V rows side by side, in one format (`KVStore`) or in two precision
-tiers (`TieredKV`). Storage knows nothing of eviction policies: a cache appends rows, asks for a
+"""K/V storage for caches: K and V rows side by side, in one format (`KVStore`), in two precision
+tiers (`TieredKV`), or with the first rows in a format of their own (`SinkRowsKV`). Storage knows nothing of eviction policies: a cache appends rows, asks for a
 compaction that keeps rows it chose, and hands `segments()` to the fused kernel. `KVStorage`
 declares the protocol every storage implements (the rotation wrapper, storage/rotation.py, and the
 per-entry columns, storage/columns.py, included).
@@ -99,6 +99,11 @@ class KVStorage(ABC):
     def restore_output(self, out: mx.array, dtype) -> mx.array:
         """An attention output over the stored values, back in the model's space and dtype."""
         return out
+
+    def key_center(self, stored: bool = False) -> Optional[mx.array]:
+        """The mean key c (B, H, 1, Dk) the stored keys are less of (CenteredKeysKV, rotation.py), in
+        the model's space or, `stored`, in the stored one; or None. Logits over the rows are q . k - q . c."""
+        return None
 
     def rotations(self) -> Rotation:
         """(q_rotation, out_rotation) when the attention op can do what prepare_queries and
@@ -346,19 +351,68 @@ class KVStore(KVStorage):
         return [_along_rows(list(a)) for a in zip(*parts)]
 
 
-class TieredKV(KVStorage):
+class TwoPartKV(KVStorage):
+    """Rows in two storages, the first's before the second's in row order (their attribute names:
+    PARTS, which their saved state keeps too). A compaction or a new row is the subclass's to place;
+    reading, trimming (the newest rows first), counting and saving are the same for any split."""
+
+    PARTS = ("first", "second")
+    WHAT = "a two-part storage"  # (in errors)
+
+    def _parts(self) -> Tuple[KVStorage, KVStorage]:
+        return getattr(self, self.PARTS[0]), getattr(self, self.PARTS[1])
+
+    @property
+    def length(self) -> int:
+        first, second = self._parts()
+        return first.length + second.length
+
+    def read_rows(self):
+        first, second = self._parts()
+        if not first.length or not second.length:  # (e.g. nothing has left a tiered storage's window yet)
+            return (second if not first.length else first).read_rows()
+        (k1, v1), (k2, v2) = first.read_rows(), second.read_rows()
+        return mx.concatenate([k1, k2], axis=2), mx.concatenate([v1, v2], axis=2)
+
+    def write_rows(self, idx, keys, values) -> None:
+        raise ValueError(f"rows of {self.WHAT} cannot be rewritten in place; use one format")
+
+    def trim(self, n: int) -> None:
+        first, second = self._parts()
+        from_second = min(n, second.length)
+        second.trim(from_second)
+        first.trim(n - from_second)
+
+    def segments(self) -> list:
+        first, second = self._parts()
+        return first.segments() + second.segments()
+
+    def own_rows(self) -> None:
+        for part in self._parts():
+            part.own_rows()
+
+    def nbytes(self) -> int:
+        return sum(part.nbytes() for part in self._parts())
+
+    def state(self):
+        return {name: part.state() for name, part in zip(self.PARTS, self._parts())}
+
+    def load(self, state) -> None:
+        for name, part in zip(self.PARTS, self._parts()):
+            part.load(state[name])
+
+
+class TieredKV(TwoPartKV):
     """Mixed precision: the low tier's rows followed by the high tier's, in row order. New rows enter
     the high tier; a row is converted to the low tier's format once, when it leaves the newest
     `window` rows. A compaction keeps the high tier whole (the protected newest rows) and gathers in
     the low tier."""
 
+    PARTS, WHAT = ("low", "high"), "a two-tier storage"
+
     def __init__(self, low_bits, high_bits, window: int, group_size: int = 32):
         self.low, self.high = KVStore(low_bits, group_size), KVStore(high_bits, group_size)
         self.window = window
-
-    @property
-    def length(self) -> int:
-        return self.low.length + self.high.length
 
     def append(self, keys, values, capacity: Optional[int] = None, rotation: Rotation = None) -> None:
         # Exact room: demote() cuts the high tier back to its newest rows, so spare capacity there
@@ -380,36 +434,29 @@ class TieredKV(KVStorage):
         low_keep = keep - self.high.length
         self.low.gather(idx[..., :low_keep], low_keep, capacity=capacity)
 
-    def read_rows(self):
-        if not self.low.length:  # nothing has left the newest rows yet
-            return self.high.read_rows()
-        (lk, lv), (hk, hv) = self.low.read_rows(), self.high.read_rows()
-        return mx.concatenate([lk, hk], axis=2), mx.concatenate([lv, hv], axis=2)
 
-    def write_rows(self, idx, keys, values) -> None:
-        raise ValueError("rows of a two-tier storage cannot be rewritten in place; use one format")
+class SinkRowsKV(TwoPartKV):
+    """The first `count` rows in their own format (`bits`), the rest in `rest`: an h2o cache's
+    attention sinks, which take a large share of every query's attention and which it never evicts,
+    so their keys' rounding error weighs more than any other row's. A compaction keeps them whole
+    (the cache protects them: idx starts with them) and gathers the rest."""
 
-    def trim(self, n: int) -> None:
-        from_high = min(n, self.high.length)
-        self.high.trim(from_high)
-        self.low.trim(n - from_high)
+    PARTS, WHAT = ("sinks", "rest"), "a storage with sink rows"
 
-    def segments(self) -> list:
-        return self.low.segments() + self.high.segments()
+    def __init__(self, rest: KVStorage, count: int, bits, group_size: int = 32):
+        self.sinks, self.rest, self.count = KVStore(bits, group_size), rest, count
 
-    def own_rows(self) -> None:
-        self.low.own_rows()
-        self.high.own_rows()
+    def append(self, keys, values, capacity: Optional[int] = None, rotation: Rotation = None) -> None:
+        n = min(self.count - self.sinks.length, keys.shape[2])
+        if n > 0:
+            self.sinks.append(keys[:, :, :n], values[:, :, :n], self.count, rotation)
+        if keys.shape[2] > n:
+            rest = None if capacity is None else max(capacity - self.count, 1)
+            self.rest.append(keys[:, :, n:] if n > 0 else keys, values[:, :, n:] if n > 0 else values, rest, rotation)
 
-    def nbytes(self) -> int:
-        return self.low.nbytes() + self.high.nbytes()
-
-    def state(self):
-        return {"low": self.low.state(), "high": self.high.state()}
-
-    def load(self, state) -> None:
-        self.low.load(state["low"])
-        self.high.load(state["high"])
+    def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
+        n = self.sinks.length  # idx[..., :n] are the sink rows (protected, ascending)
+        self.rest.gather(idx[..., n:] - n, keep - n, protected_tail, max(capacity - n, 0))
 
 
 def make_kv_storage(low_bits, high_bits, window: int, group_size: int = 32) -> KVStorage:

@@ -53,6 +53,9 @@ class KVWrapper(KVStorage):
     def rotations(self):
         return self.inner.rotations()
 
+    def key_center(self, stored=False):
+        return self.inner.key_center(stored)
+
     def nbytes(self) -> int:
         return self.inner.nbytes()
 

@@ -99,6 +99,9 @@ class Lane:
             self.track_queries(q)
         if sinks is not None:
             sinks = sinks[self.query_heads(sinks.shape[0], kv_heads)]
+            center = store.key_center(stored=rotations is None)  # in the space of the q the op takes
+            if center is not None:  # keys stored less c: their logits are q . c lower, the sinks' are not
+                mask = _with_shift(mask, _logit_shift(q, center, scale), T + store.length)
         if "mult" in store.dtypes:
             mask = _with_bias(mask, mx.log(store.column("mult")), q.shape[1], q.shape[2])  # merged: + log multiplicity
         dead = store.dead_rows()
@@ -193,7 +196,7 @@ def make_lanes(config, seed: int, B: int, H: int, budget=None):
     # its M is fixed (a dispersion budget changes it after the lanes are made).
     fixed = budget.layer_budget != "dispersion" and budget.recent >= window
     slack = max(0, min(window + budget.evict_every, budget.max_kv_size) - window) if fixed else 0
-    return [Lane(entry_store(config.storage.make(window, seed, slack), merges, masks_shared),
+    return [Lane(entry_store(config.storage.make(window, seed, slack, config.storage.sink_rows(budget.sink)), merges, masks_shared),
                  None if fmt is None else archive_store(fmt, config.storage.group_size), *w) for w in where]
 
 
@@ -215,11 +218,27 @@ def entry_store(rows: KVStorage, merges: bool, masks_shared: bool = False) -> Co
     return ColumnedKV(rows, {"acc": "float32", "pos": "int32", **({"mult": "float32"} if merges else {})}, masks_shared)
 
 
+def _logit_shift(queries: mx.array, center: mx.array, scale: float) -> mx.array:
+    """scale x q . c per query row (B, Hq, L, 1), c (B, H, 1, D) repeated over each kv head's queries."""
+    c = mx.repeat(center, queries.shape[1] // center.shape[1], axis=1)
+    return scale * (queries.astype(mx.float32) * c).sum(axis=-1, keepdims=True)
+
+
+def _with_shift(mask, shift: mx.array, N: int) -> mx.array:
+    """The attention mask plus `shift` (B, Hq, L, 1) on every one of the N entries' logits."""
+    B, Hq, L, _ = shift.shape
+    return _plus_mask(mask, mx.broadcast_to(shift, (B, Hq, L, N)), N, L)
+
+
 def _with_bias(mask, bias: mx.array, Hq: int, L: int) -> mx.array:
     """The attention mask plus `bias` (B, H, N) on each entry's logit, for every query head of its
     kv head: an additive (B, Hq, L or 1, N) array."""
     B, H, N = bias.shape
-    bias = mx.repeat(bias, Hq // H, axis=1)[:, :, None, :]  # (B, Hq, 1, N)
+    return _plus_mask(mask, mx.repeat(bias, Hq // H, axis=1)[:, :, None, :], N, L)  # bias (B, Hq, 1, N)
+
+
+def _plus_mask(mask, bias: mx.array, N: int, L: int) -> mx.array:
+    """An additive mask: `mask` (None, "causal", boolean or additive) plus `bias` on the logits it allows."""
     if mask is None:
         return bias
     if isinstance(mask, mx.array) and mask.shape[-1] != N:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ...options import Choice, Flag, Int, option
-from ...storage import DEFAULT_LAMBDA, KV_DTYPE_HELP, KV_DTYPES, LAMBDA_MODES, KVStorage, RotatedKV, TieredKV, check_group_size, make_kv_storage, role_bits
+from ...storage import DEFAULT_LAMBDA, KV_DTYPE_HELP, KV_DTYPES, LAMBDA_MODES, CenteredKeysKV, KVStorage, RotatedKV, SinkRowsKV, TieredKV, check_group_size, make_kv_storage, role_bits
 
 # Bits of the older rows (sink + heavy hitters) / of the recent window; "fp" = the model's dtype;
 # "k8v4" = 8-bit keys with 4-bit values (keys are the sensitive half), "k4v8" the reverse.
@@ -82,8 +82,15 @@ class Storage:
     kv_recent_rows:
         with OLDER/RECENT kv_bits, how many of the newest rows are kept in the RECENT format (unset:
         the whole recent window); the rest of the recent window is stored as the older rows are.
+    kv_sink_rows:
+        with OLDER/RECENT kv_bits, how many of the first rows (the attention sinks, at most the
+        budget's `sink`) are kept in the RECENT format (unset: none).
     kv_group_size:
         values sharing one scale and bias when packed (unset: 32, or a byte budget's rule, bytes.py).
+    center_keys:
+        with OLDER/RECENT kv_bits, store keys less their mean key, fixed when the first rows leave
+        the recent window (storage/rotation.py's CenteredKeysKV): the older rows' packed keys no
+        longer spend their range on it.
     rotate, rotate_lam:
         rotate K/V before packing, with an optional per-coordinate scale (storage/rotation.py).
     kv_dtype:
@@ -96,8 +103,12 @@ class Storage:
         "store K/V packed: 8, 4, `k8v4` (8-bit keys, 4-bit values), or OLDER/RECENT formats (`fp` = model dtype; `mixed` = 4/8); unset: model dtype")
     kv_recent_rows: Optional[int] = option(
         Int(1), None, "with OLDER/RECENT kv_bits: the newest rows kept in the RECENT format (unset: the whole recent window)")
+    kv_sink_rows: Optional[int] = option(
+        Int(1), None, "with OLDER/RECENT kv_bits: the first rows (attention sinks, at most `sink`) kept in the RECENT format (unset: none)")
     kv_group_size: Optional[int] = option(
         Choice(KV_GROUP_SIZES), None, "values sharing one scale and bias when packed (unset: 32, or the byte budget's rule)")
+    center_keys: bool = option(
+        Flag(), False, "with OLDER/RECENT kv_bits: store keys less their mean over the first rows (softmax ignores the shift)")
     rotate: bool = option(Flag(), False, "rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality")
     rotate_lam: str = option(Choice(LAMBDA_MODES, ((None, "none"),)), DEFAULT_LAMBDA, "per-coordinate scale of the rotation")
     kv_dtype: Optional[str] = option(
@@ -114,8 +125,12 @@ class Storage:
         return self.kv_bits is None or "/" not in self.kv_bits
 
     def check(self, config) -> None:
-        if self.kv_recent_rows is not None and self.single_format:
-            raise ValueError(f"kv_recent_rows needs two formats in kv_bits (OLDER/RECENT, e.g. 4/8), got kv_bits={self.kv_bits!r}")
+        for name in ("kv_recent_rows", "kv_sink_rows", "center_keys"):
+            if getattr(self, name) not in (None, False) and self.single_format:
+                raise ValueError(f"{name} needs two formats in kv_bits (OLDER/RECENT, e.g. 4/8), got kv_bits={self.kv_bits!r}")
+        if self.center_keys and config.keeper.evicted_bits is not None:
+            # (the archive's rows would be read with the centre added back, beside rows without it)
+            raise ValueError("center_keys does not combine with an archive of evicted entries (evicted_bits)")
 
     def high_rows(self, recent: int) -> int:
         """The newest rows the RECENT format holds for a budget whose recent window is `recent`: the
@@ -130,13 +145,22 @@ class Storage:
         older, _, recent = self.kv_bits.partition("/")
         return tier_bits(older), tier_bits(recent or older)
 
-    def make(self, window: int, seed: int, slack: int = 0) -> KVStorage:
+    def sink_rows(self, sink: int) -> int:
+        """The first rows the RECENT format holds for a budget that keeps `sink` sink entries."""
+        return 0 if self.single_format else min(self.kv_sink_rows or 0, sink)
+
+    def make(self, window: int, seed: int, slack: int = 0, sinks: int = 0) -> KVStorage:
         """Rows as configured: one format or older/recent tiers (the newest `window` rows recent, and
-        up to `slack` more before they demote), rotated (seeded) or not."""
+        up to `slack` more before they demote; the first `sinks` rows recent too), keys centred once
+        the first rows leave the high tier, rotated (seeded) or not."""
         older, recent = self.tiers()
         store = make_kv_storage(older, recent, window, self.group_size)
         if isinstance(store, TieredKV):
             store = WindowTieredKV(older, recent, window, self.group_size, slack)
+            if sinks:
+                store = SinkRowsKV(store, sinks, recent, self.group_size)
+            if self.center_keys:  # c once rows first leave the high tier: what it holds is still fine
+                store = CenteredKeysKV(store, window + slack, sinks)
         return RotatedKV(store, seed, self.rotate_lam) if self.rotate else store
 
     def check_rows(self, keys, values, packed: bool = False) -> None:
