@@ -6,9 +6,9 @@ spends its step against the sliding windows of the same bytes.
     python benchmarks/bench_bytes_decode.py --cache "h2o as given=h2o:max_kv_bytes={B},kv_bits=4/8,rotate=true"
 
 The caches are the demo's (`mlx-h2o demo`): full, the fp window (mlx-lm's RotatingKVCache), the 8-bit
-window and h2o at the budget, and any --cache given. Each takes the same --context tokens (the GPL-3 text, in the demo's
-256-token chunks), then the caches decode in turn, one greedy step each, so a slow period of the
-machine hits all of them. Per cache: the median time to build the step's graph (Python) and to
+window and h2o at the budget, and any --cache given. Each takes the same --context tokens (the GPL-3
+text, in the demo's 256-token chunks), then the caches decode in turn, one greedy step each, so a
+slow period of the machine hits all of them. Per cache: the median time to build the step's graph (Python) and to
 evaluate it, their sum, the mean step and the speed it gives relative to the fp window's (tokens
 over time, so the periodic steps count), and the primitives one step's graph
 has (`mx.export_to_dot`); and the fused kernel alone over h2o's rows, dense and packed. To compare

@@ -1,8 +1,9 @@
 """K/V storage for caches: K and V rows side by side, in one format (`KVStore`), in two precision
-tiers (`TieredKV`), or with the first rows in a format of their own (`SinkRowsKV`). Storage knows nothing of eviction policies: a cache appends rows, asks for a
-compaction that keeps rows it chose, and hands `segments()` to the fused kernel. `KVStorage`
-declares the protocol every storage implements (the rotation wrapper, storage/rotation.py, and the
-per-entry columns, storage/columns.py, included).
+tiers (`TieredKV`), or with the first rows in a format of their own (`SinkRowsKV`). Storage knows
+nothing of eviction policies: a cache appends rows, asks for a compaction that keeps rows it chose,
+and hands `segments()` to the fused kernel. `KVStorage` declares the protocol every storage
+implements (the rotation wrapper, storage/rotation.py, and the per-entry columns,
+storage/columns.py, included).
 
 A format is `bits` (None = the model's dtype, or 2-8 packed) for K and V alike, or a (k_bits,
 v_bits) pair: keys are the sensitive half, so K8/V4 spends its bits where they matter.

@@ -152,11 +152,9 @@ def resolve(config, layer_bytes: int, heads: int, head_dims, itemsize: int, tota
     if options["kv_bits"] is None:
         # (an archive the user asks for keeps its rows as read: not centred)
         options.update(kv_bits=rule.kv_bits, rotate=rule.rotate, center_keys=rule.center_keys and options["evicted_bits"] is None)
-        for name in ("kv_recent_rows", "kv_sink_rows"):
+        for name in ("kv_recent_rows", "kv_sink_rows", "kv_group_size"):
             if options[name] is None:
                 options.update({name: getattr(rule, name)})
-        if options["kv_group_size"] is None:
-            options.update(kv_group_size=rule.kv_group_size)
         if options["kv_dtype"] is None and rule.kv_dtype is not None and itemsize > getattr(mx, rule.kv_dtype).size:
             options.update(kv_dtype=rule.kv_dtype)
     stored = itemsize if options["kv_dtype"] is None else getattr(mx, options["kv_dtype"]).size  # rows and scales as kept
