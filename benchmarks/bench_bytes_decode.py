@@ -14,6 +14,12 @@ over time, so the periodic steps count), and the primitives one step's graph
 has (`mx.export_to_dot`); and the fused kernel alone over h2o's rows, dense and packed. To compare
 two configurations, give one as a --cache (steps alternate in one process); two builds, run it
 under each (PYTHONPATH=A, then B, ...). Run it on a quiet machine: it waits for one and records the load.
+
+Those steps are synchronous: build the graph, then evaluate it. mlx_lm.generate builds the next
+step's graph while the current one evaluates (`generate_step`, async_eval). --pipelined-rounds
+(default 4) then decodes --pipelined-tokens through generate_step per cache and round, the caches
+in turn, and reports each cache's median tok/s relative to the fp window's: the speed an mlx-lm user
+sees.
 """
 
 import argparse
@@ -67,6 +73,8 @@ def main(argv=None):
     p.add_argument("--cache", action="append", default=[], metavar="NAME=SPEC",
                    help="another cache to step beside the demo's (repeatable): a policy spec where {B} is the budget in bytes, "
                         "{M} the fp window's entries")
+    p.add_argument("--pipelined-rounds", type=int, default=4, help="rounds of decoding through mlx_lm's generate_step (0: none)")
+    p.add_argument("--pipelined-tokens", type=int, default=32, help="tokens a cache decodes per round through generate_step")
     add_quiet_arguments(p)
     args = p.parse_args(argv)
 
@@ -126,6 +134,33 @@ def main(argv=None):
               f"{total[n]:.2f} | {mean[n]:.2f} | {window / mean[n]:.2f}x | {sum(counts[n].values())} | {top} |")
     print(f"\nThe fused kernel alone, one layer's decode call over h2o's {M} rows: "
           + ", ".join(f"{name} {us:.0f} µs" for name, us in kernel.items()))
+    if args.pipelined_rounds > 0:
+        pipelined(args, model, caches, {name: y[name][0] for name in caches})
+
+
+def pipelined(args, model, caches: dict, last: dict) -> None:
+    """Decode through mlx_lm's generate_step, --pipelined-tokens per cache and round, the caches in
+    turn; print each cache's median tok/s (from its first token to its last: the first includes
+    generate_step's own prompt step) and the ratio to the fp window's."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    busy, load = wait_quiet(args)
+    speeds = collections.defaultdict(list)
+    for _ in range(args.pipelined_rounds):
+        for name, cache in caches.items():
+            times = []
+            for token, _ in generate_step(last[name], model, max_tokens=args.pipelined_tokens + 1, prompt_cache=cache):
+                times.append(time.perf_counter())
+                last[name] = mx.array([token])
+            speeds[name].append(args.pipelined_tokens / (times[-1] - times[0]))
+    window = statistics.median(speeds["window fp"])
+    print(f"\n### Through mlx_lm's generate_step ({args.pipelined_rounds} rounds of {args.pipelined_tokens} tokens a cache, "
+          f"in turn; load {load:.2f} at start, {os.getloadavg()[0]:.2f} at end)")
+    print("| cache | tok/s (median) | rounds | speed vs fp window |")
+    print("|---|---|---|---|")
+    for name, v in speeds.items():
+        print(f"| {name} | {statistics.median(v):.1f} | {' / '.join(f'{x:.1f}' for x in v)} | {statistics.median(v) / window:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -360,12 +360,13 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
     const int64_t rows = static_cast<int64_t>(p.B) * p.Hq * p.L;
     std::vector<float> q_rotated, out_unrotated;
     if (q_rotation) {
+      const RotationPlan plan(q_rotation, p.Dk);
       q_rotated.resize(rows * p.Dk);
       const auto* base = static_cast<const char*>(p.q.data);
       const int64_t itemsize = mx::size_of(q_dtype);
       for (int b = 0; b < p.B; ++b)  // each (batch, head): its L rows, p.q.stride[2] apart
         for (int h = 0; h < p.Hq; ++h)
-          rotate_rows_cpu(base + (b * p.q.stride[0] + h * p.q.stride[1]) * itemsize, q_dtype, p.q.stride[2], q_rotation,
+          rotate_rows_cpu(base + (b * p.q.stride[0] + h * p.q.stride[1]) * itemsize, q_dtype, p.q.stride[2], plan,
                           q_rotated.data() + (int64_t{b} * p.Hq + h) * p.L * p.Dk, mx::float32, p.L, p.Dk);
       p.q.data = q_rotated.data();
       p.q.type = ElemType::float32;
@@ -378,7 +379,8 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
       p.out_type = ElemType::float32;
     }
     attention_cpu(p);
-    if (out_rotation) rotate_rows_cpu(out_unrotated.data(), mx::float32, p.Dv, out_rotation, out, out_dtype, rows, p.Dv);
+    if (out_rotation)
+      rotate_rows_cpu(out_unrotated.data(), mx::float32, p.Dv, RotationPlan(out_rotation, p.Dv), out, out_dtype, rows, p.Dv);
   });
 }
 

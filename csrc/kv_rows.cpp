@@ -28,11 +28,12 @@ void with_float_type(mx::Dtype t, F&& f) {
   }
 }
 
-// The rotation's sums are most of what these ops cost at decode: 4096 multiply-adds in float64 per
-// row of 64, for 18 rows a layer and step (the query and output rotations, the new K and V rows of
-// each packed buffer). Built for the baseline x86-64 that is 2 doubles per instruction; with GCC on
-// x86-64 Linux the loop is also built for x86-64-v3 (AVX2 + FMA: 4 per fused instruction), the
-// clone picked when the library loads. Either way every sum is float64, rounded once by the caller.
+// The rotation's sums are most of what these ops cost at decode: 36 rows of 64 a layer and step (the
+// query and output rotations, the new K and V rows of each of the six packed buffers' writes), at
+// 4096 float64 multiply-adds a row in the dense loop, 384 additions in the Walsh-Hadamard transform
+// (RotationPlan). Built for the baseline x86-64 that is 2 doubles per instruction; with GCC on
+// x86-64 Linux both loops are also built for x86-64-v3 (AVX2 + FMA: 4 per instruction), the clone
+// picked when the library loads. Either way every sum is float64, rounded once by the caller.
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
 #define MLX_H2O_ROTATION_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
@@ -41,7 +42,7 @@ void with_float_type(mx::Dtype t, F&& f) {
 
 /** acc[j] = sum_i x[i] * rotation[i][j] in float64, for one row x of D values. */
 MLX_H2O_ROTATION_CLONES
-void rotate_row_f32(const float* x, const float* rotation, int64_t D, double* acc) {
+void rotate_row_dense(const float* x, const float* rotation, int64_t D, double* acc) {
   std::fill(acc, acc + D, 0.0);
   for (int64_t i = 0; i < D; ++i) {
     const double xi = x[i];
@@ -50,15 +51,55 @@ void rotate_row_f32(const float* x, const float* rotation, int64_t D, double* ac
   }
 }
 
-/** rotate_row_f32 of a row of T; `xf` is room for D floats. */
+/** acc = out_sign * (Walsh-Hadamard transform of in_scale * x), in place over D (a power of two)
+ *  float64 values: H[i][j] = (-1)^popcount(i & j), Sylvester's order, as orthonormal_basis builds it. */
+MLX_H2O_ROTATION_CLONES
+void rotate_row_hadamard(const float* x, const double* in_scale, const float* out_sign, int64_t D, double* acc) {
+  for (int64_t i = 0; i < D; ++i) acc[i] = in_scale[i] * x[i];
+  for (int64_t h = 1; h < D; h *= 2) {
+    for (int64_t i = 0; i < D; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) {
+        const double u = acc[j], v = acc[j + h];
+        acc[j] = u + v;
+        acc[j + h] = u - v;
+      }
+    }
+  }
+  for (int64_t j = 0; j < D; ++j) acc[j] *= out_sign[j];
+}
+
+// A float's bits read in place (float storage seen as uint32 without breaking aliasing rules).
+typedef uint32_t __attribute__((may_alias)) float_bits;
+constexpr uint32_t SIGN_BIT = 0x80000000u;
+
+/** The signs of the D x D Walsh-Hadamard matrix as float sign bits (0 for +1), row-major: built once
+ *  per thread and D (a model's layers share one head dim), so the check of a matrix takes no lock. */
+const uint32_t* hadamard_sign_bits(int64_t D) {
+  thread_local std::vector<uint32_t> table;
+  thread_local int64_t table_dim = 0;
+  if (table_dim != D) {
+    table.resize(D * D);
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t j = 0; j < D; ++j) table[i * D + j] = __builtin_parityll(static_cast<uint64_t>(i & j)) ? SIGN_BIT : 0;
+    table_dim = D;
+  }
+  return table.data();
+}
+
+bool power_of_two(double a) {
+  int exponent;
+  return a > 0 && std::frexp(a, &exponent) == 0.5;
+}
+
+/** rotate_row_* of a row of T; `xf` is room for D floats. */
 template <typename T>
-void rotate_row(const T* x, const float* rotation, int64_t D, float* xf, double* acc) {
+void rotate_row(const T* x, const RotationPlan& rotation, int64_t D, float* xf, double* acc) {
   for (int64_t i = 0; i < D; ++i) xf[i] = static_cast<float>(x[i]);
-  rotate_row_f32(xf, rotation, D, acc);
+  rotation.apply(xf, acc);
 }
 
 template <typename T, typename U>
-void rotate_rows_typed(const T* x, int64_t x_row_stride, const float* rotation, U* out, int64_t rows, int64_t D) {
+void rotate_rows_typed(const T* x, int64_t x_row_stride, const RotationPlan& rotation, U* out, int64_t rows, int64_t D) {
   std::vector<double> acc(D);
   std::vector<float> xf(D);
   for (int64_t r = 0; r < rows; ++r) {
@@ -122,7 +163,7 @@ void quantize_row(const float* y, PackedPart part, void* out, int D, int bits, i
 }
 
 template <typename T>
-void quantize_rows(const RowsProblem& p, const T* x, const float* rotation, void* out) {
+void quantize_rows(const RowsProblem& p, const T* x, const RotationPlan* rotation, void* out) {
   const int64_t D = p.D;
   // the part's row: words (uint32) or groups (T)
   const int64_t row_bytes = p.part == PackedPart::words ? D * p.bits / 32 * 4 : D / p.group_size * sizeof(T);
@@ -132,7 +173,7 @@ void quantize_rows(const RowsProblem& p, const T* x, const float* rotation, void
     for (int64_t r = 0; r < p.n; ++r) {
       const T* xr = x + (plane / p.H) * p.x_stride[0] + (plane % p.H) * p.x_stride[1] + r * p.x_stride[2];
       if (rotation) {
-        rotate_row(xr, rotation, D, y.data(), acc.data());
+        rotate_row(xr, *rotation, D, y.data(), acc.data());
         // the rotated row in x's dtype, as the cache stores it before packing
         for (int64_t j = 0; j < D; ++j) y[j] = static_cast<float>(static_cast<T>(static_cast<float>(acc[j])));
       } else {
@@ -147,6 +188,39 @@ void quantize_rows(const RowsProblem& p, const T* x, const float* rotation, void
 
 }  // namespace
 
+RotationPlan::RotationPlan(const float* rotation, int64_t D) : rotation_(rotation), D_(D) {
+  // rotation[i][j] = in_scale[i] * H[i][j] * out_sign[j] with out_sign[0] = 1 (H's first row and
+  // column are all +1): in_scale is the first column, out_sign the first row over its first entry.
+  // Checked at every call (a few hundred a decode step), bit for bit, with no allocation or lock:
+  // row i must be row 0 with the signs of H's row i, flipped once more where rotation[i][0]'s sign
+  // differs from rotation[0][0]'s.
+  if (D < 2 || D > MAX_TRANSFORM_DIM || (D & (D - 1)) || !power_of_two(std::abs(rotation[0]))) return;
+  const float a = std::abs(rotation[0]);
+  for (int64_t j = 0; j < D; ++j)
+    if (std::abs(rotation[j]) != a) return;
+  const auto* bits = reinterpret_cast<const float_bits*>(rotation);
+  const uint32_t* h = hadamard_sign_bits(D);
+  uint32_t differ = 0;  // (accumulated, not an early exit: the loop vectorizes)
+  for (int64_t i = 0; i < D; ++i) {
+    const uint32_t flip = (bits[i * D] ^ bits[0]) & SIGN_BIT;
+    for (int64_t j = 0; j < D; ++j) differ |= bits[i * D + j] ^ bits[j] ^ h[i * D + j] ^ flip;
+  }
+  if (differ) return;
+  for (int64_t i = 0; i < D; ++i) {
+    in_scale_[i] = rotation[i * D];
+    out_sign_[i] = rotation[i] / rotation[0];
+  }
+  fast_ = true;
+}
+
+void RotationPlan::apply(const float* x, double* acc) const {
+  if (!fast_) {
+    rotate_row_dense(x, rotation_, D_, acc);
+  } else {
+    rotate_row_hadamard(x, in_scale_.data(), out_sign_.data(), D_, acc);
+  }
+}
+
 mx::array rotated(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::StreamOrDevice s) {
   return mx::astype(mx::matmul(mx::astype(x, mx::float32, s), rotation, s), dtype, s);
 }
@@ -157,7 +231,7 @@ void check_rotation(const mx::array& rotation, int D, const std::string& what, c
          shape_str(x.shape()) + ", got shape " + shape_str(rotation.shape()));
 }
 
-void rotate_rows_cpu(const void* x, mx::Dtype x_type, int64_t x_row_stride, const float* rotation, void* out,
+void rotate_rows_cpu(const void* x, mx::Dtype x_type, int64_t x_row_stride, const RotationPlan& rotation, void* out,
                      mx::Dtype out_type, int64_t rows, int64_t D) {
   with_float_type(x_type, [&](auto xe) {
     with_float_type(out_type, [&](auto oe) {
@@ -183,7 +257,7 @@ void RotateRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   auto& out = outputs[0];
   const int64_t D = in[0].shape(-1), rows = D == 0 ? 0 : static_cast<int64_t>(in[0].size()) / D;
   enc.dispatch([x = in[0].data<void>(), xt = in[0].dtype(), r = in[1].data<float>(), o = out.data<void>(),
-                ot = out.dtype(), rows, D]() { rotate_rows_cpu(x, xt, D, r, o, ot, rows, D); });
+                ot = out.dtype(), rows, D]() { rotate_rows_cpu(x, xt, D, RotationPlan(r, D), o, ot, rows, D); });
 }
 
 void RotateRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -270,7 +344,11 @@ void QuantizeRowsInto::eval_cpu(const std::vector<mx::array>& inputs, std::vecto
   enc.dispatch([p, fresh, dtype = x.dtype(), xs = x.data<void>(), rotation = rotated_ ? in[2].data<float>() : nullptr,
                 src = in[0].data<void>(), dst = out.data<void>(), bytes = out.nbytes()]() {
     if (fresh) std::memcpy(dst, src, bytes);
-    with_float_type(dtype, [&](auto e) { quantize_rows(p, static_cast<const decltype(e)*>(xs), rotation, dst); });
+    const std::optional<RotationPlan> plan =
+        rotation ? std::optional<RotationPlan>(std::in_place, rotation, p.D) : std::nullopt;
+    with_float_type(dtype, [&](auto e) {
+      quantize_rows(p, static_cast<const decltype(e)*>(xs), plan ? &*plan : nullptr, dst);
+    });
   });
 }
 

@@ -14,6 +14,7 @@
 // the whole buffer.)
 #pragma once
 
+#include <array>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,11 +31,38 @@ namespace mx = mlx::core;
  *  each output summed in float64 and rounded once to `dtype` (float32, float16 or bfloat16). */
 mx::array rotate_rows(const mx::array& x, const mx::array& rotation, mx::Dtype dtype, mx::StreamOrDevice s = {});
 
+/** How rows are multiplied by a float32 (D, D) row-major `rotation` on the CPU, decided once per
+ *  call from the matrix's values. A rotated cache's matrices for a power-of-two head dim are a
+ *  Walsh-Hadamard matrix with signs on its rows and columns, times 1/sqrt(D) (storage/rotation.py);
+ *  where that factor is a power of two (D = 4, 16, 64, 256, ...) every product x_i * r_ij is an
+ *  exact float64, and a fast Walsh-Hadamard transform adds the same products in D log2 D additions
+ *  instead of the dense loop's D^2 multiply-adds (384 against 4096 at D = 64). Only the order of
+ *  the float64 additions differs: nothing changes where those sums are exact (values spanning
+ *  less than ~2^23 at D = 64), and elsewhere at most the float64 sum's last bit moves before it is
+ *  rounded to float32. Any other matrix takes the dense loop. */
+class RotationPlan {
+ public:
+  RotationPlan(const float* rotation, int64_t D);
+  /** acc[j] = sum_i x[i] * rotation[i][j] in float64, for one row x of D values. */
+  void apply(const float* x, double* acc) const;
+
+  /** The largest head dim the transform takes (its signs live in the plan, on the stack). */
+  static constexpr int64_t MAX_TRANSFORM_DIM = 256;
+
+ private:
+  const float* rotation_;
+  int64_t D_;
+  bool fast_ = false;
+  // The transform's form: rotation[i][j] = in_scale[i] * H[i][j] * out_sign[j].
+  std::array<double, MAX_TRANSFORM_DIM> in_scale_{};
+  std::array<float, MAX_TRANSFORM_DIM> out_sign_{};
+};
+
 /** The CPU loop behind rotate_rows: `rows` rows of D values, row r at x + r * x_row_stride elements
- *  (x_type float32 / float16 / bfloat16), times `rotation` into out (rows, D) contiguous, in
- *  out_type; each output summed in float64 and rounded once. The fused attention op rotates its
+ *  (x_type float32 / float16 / bfloat16), times the plan's rotation into out (rows, D) contiguous,
+ *  in out_type; each output summed in float64 and rounded once. The fused attention op rotates its
  *  queries and output with it (attention_with_scores.cpp). */
-void rotate_rows_cpu(const void* x, mx::Dtype x_type, int64_t x_row_stride, const float* rotation, void* out,
+void rotate_rows_cpu(const void* x, mx::Dtype x_type, int64_t x_row_stride, const RotationPlan& rotation, void* out,
                      mx::Dtype out_type, int64_t rows, int64_t D);
 
 /** The stock-ops definition of rotate_rows: x @ rotation in float32, then `dtype` (what the composed

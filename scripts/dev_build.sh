@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 # The build needs what pyproject's build-system names: MLX (headers + CMake config), nanobind 3.x, CMake >= 3.27.
 "$py" -c "import mlx.core, nanobind" 2>/dev/null || "$py" -m pip install --quiet "nanobind>=3,<4" "mlx[cpu]>=0.32.4,<0.33"
-cmake -S . -B build/dev -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$py")" >/dev/null
+# BUILD_TYPE=RelWithDebInfo keeps the symbols (Release strips them) for perf: benchmarks/profile_decode.py.
+cmake -S . -B build/dev -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" -DPython_EXECUTABLE="$(command -v "$py")" >/dev/null
 cmake --build build/dev -j "$(nproc)"
 # Replace by rename, never in place: a running process keeps its mapping of the old file (overwriting
 # a loaded shared library crashes it).

@@ -11,6 +11,7 @@ import pytest
 import mlx_h2o
 from mlx_h2o._native import _ext
 from mlx_h2o.storage import KVStore, RotatedKV
+from mlx_h2o.storage.rotation import KVRotation
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -31,6 +32,37 @@ def test_rotate_rows_matches_float64_on_random_shapes(dtype):
             assert got.dtype == out_dtype and got.shape == x.shape
             # one rounding: float64 -> float32 -> the output dtype, as the op does
             np.testing.assert_array_equal(as_np(got), as_np(mx.array(want.astype(np.float32)).astype(out_dtype)))
+
+
+def signed_hadamards(rng, D):
+    """The rotations of a rotated cache (RotatedKV: R and R^T of a signed Walsh-Hadamard basis,
+    which the op multiplies by a fast transform where 1/sqrt(D) is a power of two), one scaled by
+    another power of two, and matrices that only look like them (the dense loop: one entry's sign
+    flipped, two rows swapped, a scale that is no power of two)."""
+    rotation = KVRotation.seeded(D, D, int(rng.integers(1 << 16)))
+    rk_t, rv = np.array(rotation.rk_t), np.array(rotation.rv)
+    flipped, swapped = rk_t.copy(), rv.copy()
+    flipped[D - 1, D // 2] *= -1
+    swapped[[1, D - 1]] = swapped[[D - 1, 1]]
+    return {"rk_t": rk_t, "rv": rv, "4 rv": 4 * rv, "flipped": flipped, "swapped": swapped, "3 rk_t": 3 * rk_t}
+
+
+@pytest.mark.parametrize("D", [4, 8, 16, 64, 128, 256])
+def test_rotations_of_a_rotated_cache_match_float64(D):
+    rng = np.random.default_rng(D)
+    x = mx.array(rng.standard_normal((2, 3, 5, D)).astype(np.float32) * 3)
+    for name, r in signed_hadamards(rng, D).items():
+        want = np.array(x).astype(np.float64) @ r.astype(np.float64)
+        for dtype in DTYPES.values():
+            got = _ext.rotate_rows(x.astype(dtype), mx.array(r), mx.float32)
+            want_d = as_np(x.astype(dtype)).astype(np.float64) @ r.astype(np.float64)
+            np.testing.assert_array_equal(as_np(got), want_d.astype(np.float32), err_msg=f"{name}, {dtype}")
+        # the packed write rotates its rows the same way
+        buffers = (mx.zeros((2, 3, 6, D * 4 // 32), mx.uint32), mx.zeros((2, 3, 6, D // 32)), mx.zeros((2, 3, 6, D // 32)))
+        if D % 32 == 0:
+            out = _ext.quantize_rows_into(*buffers, x, 1, mx.array(r), 4, 32)
+            for got, ref in zip(out, quantize_reference(want.astype(np.float32), 4, 32)):
+                np.testing.assert_array_equal(as_np(got)[:, :, 1:6], ref, err_msg=name)
 
 
 def test_rotate_rows_rejects_bad_input_and_takes_derivatives_from_its_definition():
