@@ -1,6 +1,7 @@
 #include "kv_rows.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -72,16 +73,16 @@ void rotate_row_hadamard(const float* x, const double* in_scale, const float* ou
 typedef uint32_t __attribute__((may_alias)) float_bits;
 constexpr uint32_t SIGN_BIT = 0x80000000u;
 
-/** The signs of the D x D Walsh-Hadamard matrix as float sign bits (0 for +1), row-major: built once
- *  per thread and D (a model's layers share one head dim), so the check of a matrix takes no lock. */
+/** The signs of the D x D Walsh-Hadamard matrix (D a power of two, at most MAX_TRANSFORM_DIM) as
+ *  float sign bits (0 for +1), row-major: built once per thread and D, kept for each D (keys and
+ *  values may differ in head dim), so the check of a matrix takes no lock and rebuilds nothing. */
 const uint32_t* hadamard_sign_bits(int64_t D) {
-  thread_local std::vector<uint32_t> table;
-  thread_local int64_t table_dim = 0;
-  if (table_dim != D) {
+  thread_local std::array<std::vector<uint32_t>, 64> tables;  // by log2(D)
+  auto& table = tables[__builtin_ctzll(static_cast<uint64_t>(D))];
+  if (table.empty()) {
     table.resize(D * D);
     for (int64_t i = 0; i < D; ++i)
       for (int64_t j = 0; j < D; ++j) table[i * D + j] = __builtin_parityll(static_cast<uint64_t>(i & j)) ? SIGN_BIT : 0;
-    table_dim = D;
   }
   return table.data();
 }

@@ -53,9 +53,11 @@ class RotationPlan {
   const float* rotation_;
   int64_t D_;
   bool fast_ = false;
-  // The transform's form: rotation[i][j] = in_scale[i] * H[i][j] * out_sign[j].
-  std::array<double, MAX_TRANSFORM_DIM> in_scale_{};
-  std::array<float, MAX_TRANSFORM_DIM> out_sign_{};
+  // The transform's form, its first D entries set when fast_ (left uninitialized otherwise: the
+  // dense path, for most calls of other matrices, should not clear 3 KB it never reads):
+  // rotation[i][j] = in_scale[i] * H[i][j] * out_sign[j].
+  std::array<double, MAX_TRANSFORM_DIM> in_scale_;
+  std::array<float, MAX_TRANSFORM_DIM> out_sign_;
 };
 
 /** The CPU loop behind rotate_rows: `rows` rows of D values, row r at x + r * x_row_stride elements

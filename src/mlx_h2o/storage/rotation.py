@@ -182,7 +182,6 @@ class RotatedKV(KVWrapper):
         self.rotation = None if state["rotation"] is None else KVRotation.from_state(state["rotation"])
 
 
-
 class CenteredKeysKV(KVWrapper):
     """Keys stored less their mean key c (per batch row and kv head), fixed once `after` rows have
     come. A shift common to every key moves each query's logits by the same q . c, which softmax
