@@ -11,7 +11,8 @@ text, in the demo's 256-token chunks), then the caches decode in turn, one greed
 slow period of the machine hits all of them. Per cache: the median time to build the step's graph (Python) and to
 evaluate it, their sum, the mean step and the speed it gives relative to the fp window's (tokens
 over time, so the periodic steps count), and the primitives one step's graph
-has (`mx.export_to_dot`); and the fused kernel alone over h2o's rows, dense and packed. To compare
+has (`mx.export_to_dot`); and the fused kernel alone over h2o's rows, dense and packed, and over
+what an h2o layer and the fp window hold as the step reads it (segments, rotations, scores). To compare
 two configurations, give one as a --cache (steps alternate in one process); two builds, run it
 under each (PYTHONPATH=A, then B, ...). Run it on a quiet machine: it waits for one and records the load.
 
@@ -63,6 +64,35 @@ def kernel_times(mx, rows: int, heads: int, kv_heads: int, head_dim: int, rounds
                 mx.eval(attention_with_scores(q, seg, scale=head_dim**-0.5, scores="mass"))
             times[name].append((time.perf_counter() - t0) / reps * 1e6)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def layer_kernel_times(mx, lane, window_rows: int, heads: int, head_dim: int, rounds: int = 9, reps: int = 200) -> dict:
+    """µs (min, median) of one decode-shaped attention call as a step makes it: over an h2o layer's
+    segments (`lane`: its sink, packed and newest rows), with its rotations and scores; over the
+    fp window's `window_rows` float32 rows; and over 8 float32 rows (what a lone call costs whatever
+    it reads: evaluation, waking the kernel's threads). The cases alternate within each round."""
+    from mlx_h2o.attention import attention_with_scores
+
+    segments, (q_rotation, out_rotation) = lane.segments(), lane.store.rotations() or (None, None)
+    kv_heads = segments[0][0].scales.shape[1] if hasattr(segments[0][0], "scales") else segments[0][0].shape[1]
+    q = mx.random.normal((1, heads, 1, head_dim))
+    window, lone = ([(mx.random.normal((1, kv_heads, n, head_dim)),) * 2] for n in (window_rows, 8))
+    mx.eval(q, window, lone)
+    scale = head_dim**-0.5
+    cases = {
+        "h2o layer (rotations, scores)": lambda: attention_with_scores(q, segments, scale=scale, scores="mass",
+                                                                       q_rotation=q_rotation, out_rotation=out_rotation),
+        f"fp window ({window_rows} rows)": lambda: attention_with_scores(q, window, scale=scale, scores=None),
+        "8 rows (a lone call's fixed cost)": lambda: attention_with_scores(q, lone, scale=scale, scores=None),
+    }
+    times = collections.defaultdict(list)
+    for _ in range(rounds):
+        for name, call in cases.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                mx.eval(call())
+            times[name].append((time.perf_counter() - t0) / reps * 1e6)
+    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
 
 
 def main(argv=None):
@@ -134,6 +164,11 @@ def main(argv=None):
               f"{total[n]:.2f} | {mean[n]:.2f} | {window / mean[n]:.2f}x | {sum(counts[n].values())} | {top} |")
     print(f"\nThe fused kernel alone, one layer's decode call over h2o's {M} rows: "
           + ", ".join(f"{name} {us:.0f} µs" for name, us in kernel.items()))
+    h2o_lane = next(c.lanes[0] for c in caches["h2o"] if getattr(c, "lanes", None))
+    layer = layer_kernel_times(mx, h2o_lane, max(c.max_size for c in caches["window fp"] if hasattr(c, "max_size")),
+                               args_model.num_attention_heads, args_model.hidden_size // args_model.num_attention_heads)
+    print("One layer's attention call as the step makes it, µs (min / median of 9 rounds): "
+          + ", ".join(f"{name} {lo:.0f} / {med:.0f}" for name, (lo, med) in layer.items()))
     if args.pipelined_rounds > 0:
         pipelined(args, model, caches, {name: y[name][0] for name in caches})
 

@@ -76,9 +76,10 @@ NB_MODULE(_ext, m) {
   m.def("rotate_rows", &mlx_h2o::rotate_rows, "x"_a, "rotation"_a, "dtype"_a, "stream"_a = nb::none(),
         "x (..., D) @ rotation (D, D), each output summed in float64 and rounded once to dtype.");
   m.def("quantize_rows_into", &mlx_h2o::quantize_rows_into, "packed"_a, "scales"_a, "biases"_a, "x"_a, "start"_a,
-        "rotation"_a.none(), "bits"_a, "group_size"_a, "stream"_a = nb::none(),
+        "rotation"_a.none(), "bits"_a, "group_size"_a, "center"_a.none() = nb::none(), "stream"_a = nb::none(),
         "The packed buffers (packed, scales, biases) with rows [start, start + n) replaced by mx.quantize of\n"
-        "x (B, H, n, D), or of x @ rotation in x's dtype; one pass, in place when MLX can donate the buffers.");
+        "y = x.astype(T) (T: the scales' dtype), (y - center).astype(T) when centred, rotated by rotation in T;\n"
+        "one pass, in place when the buffers are large and MLX can donate them.");
 
 
   m.def(

@@ -111,21 +111,28 @@ void rotate_rows_typed(const T* x, int64_t x_row_stride, const RotationPlan& rot
 
 struct RowsProblem {
   int64_t B, H, C, n, D;
-  int64_t x_stride[3];  // x's strides (elements) over B, H, n; its rows are contiguous
+  int64_t x_stride[3];       // x's strides (elements) over B, H, n; its rows are contiguous
+  int64_t center_stride[2];  // the centre's over B, H (0 where broadcast); its rows are contiguous
   int start, bits, group_size;
-  PackedPart part;
+};
+
+/** Where a QuantizeRowsInto writes: each part's buffer (null: a part it does not write). */
+struct PackedRowsOut {
+  uint32_t* words;
+  void* scales;
+  void* biases;
 };
 
 /** One row of D values quantized as MLX's CPU Quantize kernel does it (affine: per group, the edge
- *  of larger magnitude is exactly representable): `part` of it, words (D * bits / 32 uint32) or
- *  scales or biases (D / group_size T), into `out`. The same float32 operations in the same order,
- *  so the bits agree. */
+ *  of larger magnitude is exactly representable), its words (D * bits / 32 uint32 a row), scales and
+ *  biases (D / group_size T a row) written where `out` points (row `row` of each buffer). The same
+ *  float32 operations in the same order, so the bits agree. */
 template <typename T>
-void quantize_row(const float* y, PackedPart part, void* out, int D, int bits, int group_size) {
+void quantize_row(const float* y, const PackedRowsOut& out, int64_t row, int D, int bits, int group_size) {
   const float n_bins = static_cast<float>((1 << bits) - 1);
   const float eps = 1e-7f;
-  const int per_word = 32 / bits, words_per_group = group_size / per_word;
-  for (int g = 0; g < D / group_size; ++g) {
+  const int per_word = 32 / bits, words_per_group = group_size / per_word, groups = D / group_size;
+  for (int g = 0; g < groups; ++g) {
     const float* w = y + g * group_size;
     float w_min = std::numeric_limits<float>::infinity(), w_max = -w_min;
     for (int j = 0; j < group_size; ++j) {
@@ -142,15 +149,10 @@ void quantize_row(const float* y, PackedPart part, void* out, int D, int bits, i
       scale = edge / q0;
       bias = edge;
     }
-    if (part == PackedPart::scales) {
-      static_cast<T*>(out)[g] = static_cast<T>(scale);
-      continue;
-    }
-    if (part == PackedPart::biases) {
-      static_cast<T*>(out)[g] = static_cast<T>(bias);
-      continue;
-    }
-    auto* words = static_cast<uint32_t*>(out);
+    if (out.scales) static_cast<T*>(out.scales)[row * groups + g] = static_cast<T>(scale);
+    if (out.biases) static_cast<T*>(out.biases)[row * groups + g] = static_cast<T>(bias);
+    if (!out.words) continue;
+    uint32_t* words = out.words + row * (D * bits / 32) + g * words_per_group;
     for (int j = 0; j < words_per_group; ++j) {
       uint64_t word = 0;
       for (int k = 0; k < per_word; ++k) {
@@ -158,31 +160,34 @@ void quantize_row(const float* y, PackedPart part, void* out, int D, int bits, i
         q = std::min(std::max(q, 0.0f), n_bins);
         word |= static_cast<uint64_t>(q) << (k * bits);
       }
-      words[g * words_per_group + j] = static_cast<uint32_t>(word);
+      words[j] = static_cast<uint32_t>(word);
     }
   }
 }
 
-template <typename T>
-void quantize_rows(const RowsProblem& p, const T* x, const RotationPlan* rotation, void* out) {
+/** Rows of x (X) made into the rows the buffers hold (of T, the scales' dtype): rounded to T, less
+ *  the centre (rounded to T again), times the rotation (rounded to T), each step as the stock ops
+ *  x.astype(T), (x - c).astype(T) and rotated(x, r, T) round it; then quantized into `out`. */
+template <typename X, typename T>
+void quantize_rows(const RowsProblem& p, const X* x, const float* center, const RotationPlan* rotation,
+                   const PackedRowsOut& out) {
   const int64_t D = p.D;
-  // the part's row: words (uint32) or groups (T)
-  const int64_t row_bytes = p.part == PackedPart::words ? D * p.bits / 32 * 4 : D / p.group_size * sizeof(T);
   std::vector<float> y(D);
   std::vector<double> acc(D);
   for (int64_t plane = 0; plane < p.B * p.H; ++plane) {
+    const int64_t b = plane / p.H, h = plane % p.H;
+    const float* c = center ? center + b * p.center_stride[0] + h * p.center_stride[1] : nullptr;
     for (int64_t r = 0; r < p.n; ++r) {
-      const T* xr = x + (plane / p.H) * p.x_stride[0] + (plane % p.H) * p.x_stride[1] + r * p.x_stride[2];
-      if (rotation) {
-        rotate_row(xr, *rotation, D, y.data(), acc.data());
-        // the rotated row in x's dtype, as the cache stores it before packing
-        for (int64_t j = 0; j < D; ++j) y[j] = static_cast<float>(static_cast<T>(static_cast<float>(acc[j])));
-      } else {
-        for (int64_t j = 0; j < D; ++j) y[j] = static_cast<float>(xr[j]);
+      const X* xr = x + b * p.x_stride[0] + h * p.x_stride[1] + r * p.x_stride[2];
+      for (int64_t j = 0; j < D; ++j) y[j] = static_cast<float>(static_cast<T>(static_cast<float>(xr[j])));
+      if (c) {
+        for (int64_t j = 0; j < D; ++j) y[j] = static_cast<float>(static_cast<T>(y[j] - c[j]));
       }
-      const int64_t row = plane * p.C + p.start + r;
-      quantize_row<T>(y.data(), p.part, static_cast<char*>(out) + row * row_bytes, static_cast<int>(D), p.bits,
-                      p.group_size);
+      if (rotation) {
+        rotation->apply(y.data(), acc.data());
+        for (int64_t j = 0; j < D; ++j) y[j] = static_cast<float>(static_cast<T>(static_cast<float>(acc[j])));
+      }
+      quantize_row<T>(y.data(), out, plane * p.C + p.start + r, static_cast<int>(D), p.bits, p.group_size);
     }
   }
 }
@@ -276,7 +281,8 @@ bool RotateRows::is_equivalent(const mx::Primitive& other) const {
 
 std::vector<mx::array> quantize_rows_into(const mx::array& packed, const mx::array& scales, const mx::array& biases,
                                           const mx::array& x, int start, const std::optional<mx::array>& rotation,
-                                          int bits, int group_size, mx::StreamOrDevice s) {
+                                          int bits, int group_size, const std::optional<mx::array>& center,
+                                          mx::StreamOrDevice s) {
   if (bits != 2 && bits != 4 && bits != 8) fail("bits must be 2, 4 or 8, got " + std::to_string(bits));
   if (group_size != 32 && group_size != 64 && group_size != 128)
     fail("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
@@ -292,63 +298,115 @@ std::vector<mx::array> quantize_rows_into(const mx::array& packed, const mx::arr
   if (packed.shape() != words)
     fail("packed must have shape " + shape_str(words) + " for x " + shape_str(x.shape()) + " at " +
          std::to_string(bits) + " bits, got " + shape_str(packed.shape()));
-  for (const auto* a : {&scales, &biases}) {
-    if (a->shape() != groups || a->dtype() != x.dtype())
-      fail("scales and biases must have shape " + shape_str(groups) + " and x's dtype, got " +
-           shape_str(a->shape()));
-  }
+  if (!is_float_dtype(scales.dtype()) || scales.dtype() != biases.dtype() || scales.shape() != groups ||
+      biases.shape() != groups)
+    fail("scales and biases must be float arrays of one dtype and shape " + shape_str(groups) + ", got " +
+         shape_str(scales.shape()) + " and " + shape_str(biases.shape()));
   if (start < 0 || start + n > C)
     fail("rows [" + std::to_string(start) + ", " + std::to_string(start + n) + ") are outside the buffers' " +
          std::to_string(C) + " rows");
   if (rotation) check_rotation(*rotation, D, "rotation", x);
+  if (center && (center->dtype() != mx::float32 || center->ndim() != 4 || center->shape(2) != 1 ||
+                 center->shape(3) != D || (center->shape(0) != B && center->shape(0) != 1) ||
+                 (center->shape(1) != H && center->shape(1) != 1)))
+    fail("center must be a float32 (B, H, 1, D) array for x " + shape_str(x.shape()) + " (B and H may be 1), got " +
+         shape_str(center->shape()));
   auto stream = mx::to_stream(s);
+  const std::vector<mx::array> buffers{packed, scales, biases};
+  std::vector<mx::array> extra{x};
+  if (rotation) extra.push_back(*rotation);
+  if (center) extra.push_back(*center);
+  // The parts each primitive writes: all three at once where a copy of the buffers is cheap, else one
+  // primitive per buffer, so that each can be written in place.
+  std::vector<std::vector<PackedPart>> writes;
+  if (packed.nbytes() + scales.nbytes() + biases.nbytes() <= QuantizeRowsInto::ONE_PRIMITIVE_MAX_BYTES) {
+    writes.push_back({PackedPart::words, PackedPart::scales, PackedPart::biases});
+  } else {
+    writes = {{PackedPart::words}, {PackedPart::scales}, {PackedPart::biases}};
+  }
   std::vector<mx::array> out;
-  const mx::array* buffers[3] = {&packed, &scales, &biases};
-  for (int i = 0; i < 3; ++i) {
-    auto p = std::make_shared<QuantizeRowsInto>(stream, static_cast<PackedPart>(i), start, bits, group_size,
-                                                rotation.has_value());
-    std::vector<mx::array> inputs{*buffers[i], x};
-    if (rotation) inputs.push_back(*rotation);
+  for (const auto& parts : writes) {
+    auto p = std::make_shared<QuantizeRowsInto>(stream, parts, scales.dtype(), start, bits, group_size,
+                                                rotation.has_value(), center.has_value());
+    std::vector<mx::array> inputs;
+    for (auto part : parts) inputs.push_back(buffers[static_cast<int>(part)]);
+    inputs.insert(inputs.end(), extra.begin(), extra.end());
+    std::vector<mx::array> written;
     if (stream.device != mx::Device::cpu) {
-      out.push_back(p->composed(inputs)[0]);
+      written = p->composed(inputs);
     } else {
-      out.emplace_back(buffers[i]->shape(), buffers[i]->dtype(), p, std::move(inputs));
+      std::vector<mx::Shape> shapes;
+      std::vector<mx::Dtype> dtypes;
+      for (auto part : parts) {
+        shapes.push_back(buffers[static_cast<int>(part)].shape());
+        dtypes.push_back(buffers[static_cast<int>(part)].dtype());
+      }
+      written = mx::array::make_arrays(std::move(shapes), dtypes, p, std::move(inputs));
     }
+    out.insert(out.end(), written.begin(), written.end());
   }
   return out;
 }
 
 void QuantizeRowsInto::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
-  // Asked before any copy of the handle below, which would count as another user of the buffer.
-  const bool donatable = inputs[0].is_donatable();
+  const int n_parts = static_cast<int>(parts_.size());
+  // Asked before any copy of the handle below, which would count as another user of the buffer. (MLX
+  // gives every output of a primitive its own reference to the inputs: with several, none is donatable.)
+  const bool donatable = n_parts == 1 && inputs[0].is_donatable();
   std::vector<mx::array> in = inputs;
-  const bool copied = !in[0].flags().row_contiguous;
-  if (copied) in[0] = contiguous_copy(in[0], enc);
-  // x is read by its strides (the model's values arrive as a transposed view), its rows as vectors
-  if (needs_copy(in[1])) in[1] = contiguous_copy(in[1], enc);
-  if (rotated_ && !in[2].flags().row_contiguous) in[2] = contiguous_copy(in[2], enc);
-  for (auto& a : in) enc.set_input_array(a);
-  auto& out = outputs[0];
-  // In place when no other array can observe the buffer (MLX's own condition for donation): the
-  // usual case, since the cache replaces its buffer with the result. Otherwise a copy, then the rows.
-  const bool fresh = !(copied || donatable);
-  if (fresh) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  } else {
-    out.copy_shared_buffer(in[0]);
+  std::vector<bool> copied(n_parts);
+  for (int i = 0; i < n_parts; ++i) {
+    copied[i] = !in[i].flags().row_contiguous;
+    if (copied[i]) in[i] = contiguous_copy(in[i], enc);
   }
-  enc.set_output_array(out);
-  const auto& x = in[1];
+  // x is read by its strides (the model's values arrive as a transposed view), its rows as vectors
+  const int xi = n_parts, ri = xi + 1, ci = ri + (rotated_ ? 1 : 0);
+  if (needs_copy(in[xi])) in[xi] = contiguous_copy(in[xi], enc);
+  if (rotated_ && !in[ri].flags().row_contiguous) in[ri] = contiguous_copy(in[ri], enc);
+  if (centered_ && needs_copy(in[ci])) in[ci] = contiguous_copy(in[ci], enc);
+  for (auto& a : in) enc.set_input_array(a);
+  // In place when no other array can observe the buffer (MLX's own condition for donation): the
+  // usual case for a single part, since the cache replaces its buffer with the result. Otherwise a
+  // copy, then the rows.
+  struct Copy {
+    const void* src;
+    void* dst;
+    size_t bytes;
+  };
+  std::vector<Copy> copies;
+  PackedRowsOut dst{nullptr, nullptr, nullptr};
+  for (int i = 0; i < n_parts; ++i) {
+    auto& out = outputs[i];
+    if (copied[i] || donatable) {
+      out.copy_shared_buffer(in[i]);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      copies.push_back({in[i].data<void>(), out.data<void>(), out.nbytes()});
+    }
+    enc.set_output_array(out);
+    switch (parts_[i]) {
+      case PackedPart::words: dst.words = out.data<uint32_t>(); break;
+      case PackedPart::scales: dst.scales = out.data<void>(); break;
+      case PackedPart::biases: dst.biases = out.data<void>(); break;
+    }
+  }
+  const auto& x = in[xi];
+  const int64_t center_b = centered_ && in[ci].shape(0) > 1 ? in[ci].strides(0) : 0;
+  const int64_t center_h = centered_ && in[ci].shape(1) > 1 ? in[ci].strides(1) : 0;
   RowsProblem p{x.shape(0), x.shape(1), in[0].shape(2), x.shape(2), x.shape(3),
-                {x.strides(0), x.strides(1), x.strides(2)}, start_, bits_, group_size_, part_};
-  enc.dispatch([p, fresh, dtype = x.dtype(), xs = x.data<void>(), rotation = rotated_ ? in[2].data<float>() : nullptr,
-                src = in[0].data<void>(), dst = out.data<void>(), bytes = out.nbytes()]() {
-    if (fresh) std::memcpy(dst, src, bytes);
+                {x.strides(0), x.strides(1), x.strides(2)}, {center_b, center_h}, start_, bits_, group_size_};
+  enc.dispatch([p, copies = std::move(copies), dst, x_type = x.dtype(), row_type = row_dtype_, xs = x.data<void>(),
+                rotation = rotated_ ? in[ri].data<float>() : nullptr,
+                center = centered_ ? in[ci].data<float>() : nullptr]() {
+    for (const auto& c : copies) std::memcpy(c.dst, c.src, c.bytes);
     const std::optional<RotationPlan> plan =
         rotation ? std::optional<RotationPlan>(std::in_place, rotation, p.D) : std::nullopt;
-    with_float_type(dtype, [&](auto e) {
-      quantize_rows(p, static_cast<const decltype(e)*>(xs), plan ? &*plan : nullptr, dst);
+    with_float_type(x_type, [&](auto xe) {
+      with_float_type(row_type, [&](auto te) {
+        quantize_rows<decltype(xe), decltype(te)>(p, static_cast<const decltype(xe)*>(xs), center,
+                                                  plan ? &*plan : nullptr, dst);
+      });
     });
   });
 }
@@ -359,19 +417,33 @@ void QuantizeRowsInto::eval_gpu(const std::vector<mx::array>&, std::vector<mx::a
 }
 
 std::vector<mx::array> QuantizeRowsInto::composed(const std::vector<mx::array>& inputs) {
-  const auto& x = inputs[1];
-  const auto y = rotated_ ? rotated(x, inputs[2], x.dtype(), stream()) : x;
+  const int n_parts = static_cast<int>(parts_.size());
+  const auto& x = inputs[n_parts];
+  const auto dtype = row_dtype_;
+  auto y = mx::astype(x, dtype, stream());
+  if (centered_) y = mx::astype(mx::subtract(y, inputs[n_parts + 1 + (rotated_ ? 1 : 0)], stream()), dtype, stream());
+  if (rotated_) y = rotated(y, inputs[n_parts + 1], dtype, stream());
   auto rows = mx::quantize(y, group_size_, bits_, "affine", std::nullopt, stream());
-  mx::Shape start(4, 0), stop = inputs[0].shape();
-  start[2] = start_;
-  stop[2] = start_ + x.shape(2);
-  return {mx::slice_update(inputs[0], rows[static_cast<int>(part_)], start, stop, stream())};
+  std::vector<mx::array> out;
+  for (int i = 0; i < n_parts; ++i) {
+    mx::Shape start(4, 0), stop = inputs[i].shape();
+    start[2] = start_;
+    stop[2] = start_ + x.shape(2);
+    out.push_back(mx::slice_update(inputs[i], rows[static_cast<int>(parts_[i])], start, stop, stream()));
+  }
+  return out;
+}
+
+std::vector<mx::Shape> QuantizeRowsInto::output_shapes(const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < parts_.size(); ++i) shapes.push_back(inputs[i].shape());
+  return shapes;
 }
 
 bool QuantizeRowsInto::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizeRowsInto&>(other);
-  return part_ == o.part_ && start_ == o.start_ && bits_ == o.bits_ && group_size_ == o.group_size_ &&
-         rotated_ == o.rotated_;
+  return parts_ == o.parts_ && start_ == o.start_ && bits_ == o.bits_ && group_size_ == o.group_size_ &&
+         rotated_ == o.rotated_ && centered_ == o.centered_ && row_dtype_ == o.row_dtype_;
 }
 
 }  // namespace mlx_h2o

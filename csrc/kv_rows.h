@@ -6,12 +6,12 @@
 //
 // A cache that stores rows packed (MLX's affine format: packed words, scales, biases) appends each
 // decode step's rows as mx.quantize and three slice_updates, plus a matmul (flatten, matmul,
-// unflatten) when it keeps them rotated (storage/rotation.py): seven primitives for K and seven for
-// V per layer and step, each scheduled on its own, for a few rows. Here one primitive per buffer
-// rotates, quantizes and writes its part of the rows, in place when MLX can donate the buffer. (One
-// per buffer, not one with three outputs: MLX gives each output of a primitive its own reference to
-// the inputs, so an input of a multi-output primitive is never donatable and every write would copy
-// the whole buffer.)
+// unflatten) when it keeps them rotated (storage/rotation.py), and a cast, a subtraction and a cast
+// back when it keeps its keys less their mean (CenteredKeysKV): up to ten primitives for K and seven
+// for V per layer and step, each scheduled on its own, for a few rows. Here one primitive rounds,
+// centres, rotates, quantizes and writes the rows: into all three buffers where they are small
+// enough to copy, else one primitive per buffer, in place when MLX can donate it (see
+// QuantizeRowsInto::ONE_PRIMITIVE_MAX_BYTES).
 #pragma once
 
 #include <array>
@@ -89,33 +89,52 @@ class RotateRows : public ComposedPrimitive {
 };
 
 /** The buffers (packed (B, H, C, D * bits / 32) uint32, scales and biases (B, H, C, D / group_size)
- *  of x's dtype) with rows [start, start + n) replaced by mx::quantize(y, group_size, bits) of
- *  y = x (B, H, n, D), or y = (x @ rotation) in x's dtype when a float32 (D, D) `rotation` is
- *  given (accumulated in float64). Rows outside [start, start + n) are unchanged. bits: 2, 4 or 8;
- *  group_size: 32, 64 or 128, dividing D. */
+ *  of one float dtype T) with rows [start, start + n) replaced by mx::quantize(y, group_size, bits)
+ *  of the rows y made from x (B, H, n, D, any float dtype) as the stock ops would make them:
+ *  y = x.astype(T); less a float32 (B, H, 1, D) `center` (B and H may be 1), (y - center).astype(T);
+ *  times a float32 (D, D) `rotation`, rotate_rows(y, rotation, T). Rows outside [start, start + n) are
+ *  unchanged. bits: 2, 4 or 8; group_size: 32, 64 or 128, dividing D. */
 std::vector<mx::array> quantize_rows_into(const mx::array& packed, const mx::array& scales, const mx::array& biases,
                                           const mx::array& x, int start, const std::optional<mx::array>& rotation,
-                                          int bits, int group_size, mx::StreamOrDevice s = {});
+                                          int bits, int group_size, const std::optional<mx::array>& center = std::nullopt,
+                                          mx::StreamOrDevice s = {});
 
-/** Which array of the packed format a QuantizeRowsInto writes. */
+/** An array of the packed format. */
 enum class PackedPart : int { words = 0, scales = 1, biases = 2 };
 
-/** Inputs: {the part's buffer, x, rotation (when rotated)}; one output, the buffer written. */
+/** Inputs: {the buffers of its parts, x, rotation (when rotated), center (when centred)}; an output
+ *  per part, the buffer written. */
 class QuantizeRowsInto : public ComposedPrimitive {
  public:
-  QuantizeRowsInto(mx::Stream stream, PackedPart part, int start, int bits, int group_size, bool rotated)
-      : ComposedPrimitive(stream), part_(part), start_(start), bits_(bits), group_size_(group_size), rotated_(rotated) {}
+  /** Buffers up to this many bytes (the three together) are written by one primitive with three
+   *  outputs, which copies them: MLX gives every output of a primitive its own reference to the
+   *  inputs, so an input of a multi-output primitive is never donatable. Copying a buffer of a few
+   *  dozen KB costs ~2-4 us, scheduling two more primitives more (an h2o cache's newest rows, 8-bit:
+   *  ~30 KB a layer for K, and for V). Larger buffers get a primitive each, written in place. */
+  static constexpr size_t ONE_PRIMITIVE_MAX_BYTES = 64 * 1024;
+
+  QuantizeRowsInto(mx::Stream stream, std::vector<PackedPart> parts, mx::Dtype row_dtype, int start, int bits,
+                   int group_size, bool rotated, bool centered)
+      : ComposedPrimitive(stream),
+        parts_(std::move(parts)),
+        row_dtype_(row_dtype),
+        start_(start),
+        bits_(bits),
+        group_size_(group_size),
+        rotated_(rotated),
+        centered_(centered) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
   const char* name() const override { return "QuantizeRowsInto"; }
   bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
-  PackedPart part_;
+  std::vector<PackedPart> parts_;
+  mx::Dtype row_dtype_;  // the scales' and biases' (the rows are rounded to it before packing)
   int start_, bits_, group_size_;
-  bool rotated_;
+  bool rotated_, centered_;
 };
 
 }  // namespace mlx_h2o

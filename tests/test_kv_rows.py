@@ -107,45 +107,76 @@ def as_np(a: mx.array) -> np.ndarray:
     return np.array(a if a.dtype in (mx.uint32, mx.float32) else a.astype(mx.float32))
 
 
-def random_case(rng, dtype, bits, group):
+def random_case(rng, dtype, bits, group, large=False):
+    """x, the buffers (of `dtype`; x in a random float dtype) and the row to write at; `large`:
+    buffers past QuantizeRowsInto's one-primitive size (a primitive per buffer)."""
     B, H, n = (int(v) for v in rng.integers(1, 4, size=3))
     D = group * int(rng.integers(1, 3))
-    C = n + int(rng.integers(0, 6))
+    C = n + int(rng.integers(0, 6)) + (3000 if large else 0)
     start = int(rng.integers(0, C - n + 1))
-    x = mx.array(rng.standard_normal((B, H, n, D)).astype(np.float32) * rng.uniform(0.01, 10)).astype(dtype)
+    x_dtype = list(DTYPES.values())[int(rng.integers(0, 3))]
+    x = mx.array(rng.standard_normal((B, H, n, D)).astype(np.float32) * rng.uniform(0.01, 10)).astype(x_dtype)
     buffers = (mx.array(rng.integers(0, 2**32, (B, H, C, D * bits // 32), dtype=np.uint32)),
                *(mx.array(rng.standard_normal((B, H, C, D // group)).astype(np.float32)).astype(dtype) for _ in range(2)))
     return x, buffers, start
 
 
+def rows_reference(x: mx.array, dtype, center, rotation) -> np.ndarray:
+    """The rows quantize_rows_into packs, as float32 values of `dtype`: x rounded to it, less the
+    centre (float32 arithmetic, rounded again), times the rotation (float64 sums, rounded to float32,
+    then to dtype)."""
+    def rounded(a: np.ndarray) -> np.ndarray:
+        return as_np(mx.array(a.astype(np.float32)).astype(dtype))
+
+    y = rounded(as_np(x))
+    if center is not None:
+        y = rounded(y - np.array(center))
+    if rotation is not None:
+        y = rounded((y.astype(np.float64) @ np.array(rotation).astype(np.float64)).astype(np.float32))
+    return y
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_quantize_rows_into_matches_a_numpy_reference_on_random_shapes(dtype, bits):
-    rng = np.random.default_rng(bits)
-    for trial in range(24):
+@pytest.mark.parametrize("large", [False, True], ids=["one primitive", "a primitive per buffer"])
+def test_quantize_rows_into_matches_a_numpy_reference_on_random_shapes(dtype, bits, large):
+    rng = np.random.default_rng(bits + 10 * large)
+    for trial in range(24 if not large else 8):
         group = (32, 64, 128)[trial % 3]
-        x, buffers, start = random_case(rng, DTYPES[dtype], bits, group)
-        D = x.shape[-1]
+        x, buffers, start = random_case(rng, DTYPES[dtype], bits, group, large)
+        B, H, n, D = x.shape
         rotation = mx.array(np.linalg.qr(rng.standard_normal((D, D)))[0].astype(np.float32)) if trial % 2 else None
+        center = None
+        if trial % 3 != 0:  # a mean key per (batch row, head), or one for all (broadcast)
+            shape = (B, H, 1, D) if trial % 3 == 1 else (1, 1, 1, D)
+            center = mx.array(rng.standard_normal(shape).astype(np.float32) * float(np.std(as_np(x))))
         before = [as_np(b) for b in buffers]
         if trial % 4 == 1:  # a transposed view of the scales: the op reads any strides
             s = buffers[1]
             buffers = (buffers[0], mx.array(np.ascontiguousarray(np.swapaxes(as_np(s), 0, 2))).astype(s.dtype).swapaxes(0, 2), buffers[2])
         if trial % 4 == 2:  # x as the model's values arrive: a (B, L, H, D) array transposed
             x = mx.array(np.ascontiguousarray(np.swapaxes(as_np(x), 1, 2))).astype(x.dtype).swapaxes(1, 2)
-        out = _ext.quantize_rows_into(*buffers, x, start, rotation, bits, group)
-        y = as_np(x).astype(np.float64)
-        if rotation is not None:  # float64 sums, rounded once to float32, then to x's dtype
-            y = y @ np.array(rotation).astype(np.float64)
-        y = as_np(mx.array(y.astype(np.float32)).astype(x.dtype))
-        n = x.shape[2]
+        out = _ext.quantize_rows_into(*buffers, x, start, rotation, bits, group, center)
+        y = rows_reference(x, DTYPES[dtype], center, rotation)
         for got, was, ref in zip(out, before, quantize_reference(y, bits, group)):
             want = was.copy()
-            want[:, :, start : start + n] = ref if got.dtype == mx.uint32 else as_np(mx.array(ref).astype(x.dtype))
+            want[:, :, start : start + n] = ref if got.dtype == mx.uint32 else as_np(mx.array(ref).astype(DTYPES[dtype]))
             np.testing.assert_array_equal(as_np(got), want)
         # and what mx.quantize makes of the same rows
-        for got, ref in zip(out, mx.quantize(mx.array(y).astype(x.dtype), group_size=group, bits=bits)):
+        for got, ref in zip(out, mx.quantize(mx.array(y).astype(DTYPES[dtype]), group_size=group, bits=bits)):
             np.testing.assert_array_equal(as_np(got)[:, :, start : start + n], as_np(ref))
+
+
+def test_quantize_rows_into_writes_small_buffers_with_one_primitive_and_large_ones_with_one_each(tmp_path):
+    """One primitive with three outputs (copies) up to ONE_PRIMITIVE_MAX_BYTES, a primitive per buffer past it."""
+    def primitives(C):
+        buffers = [mx.zeros((1, 2, C, 8), mx.uint32), mx.zeros((1, 2, C, 1)), mx.zeros((1, 2, C, 1))]
+        out = _ext.quantize_rows_into(*buffers, mx.ones((1, 2, 1, 32)), 0, None, 8, 32)
+        mx.export_to_dot(str(tmp_path / "write.dot"), *out)
+        return (tmp_path / "write.dot").read_text().count('label ="QuantizeRowsInto"')
+
+    assert primitives(100) == 1  # 2 x 100 x 40 bytes
+    assert primitives(1000) == 3  # 80 KB
 
 
 def test_quantize_rows_into_writes_in_place_only_unreferenced_buffers():
@@ -176,19 +207,20 @@ def test_quantize_rows_into_writes_in_place_only_unreferenced_buffers():
 
 
 def test_quantize_rows_into_derivatives_follow_its_definition():
-    """vjp (and jvp, vmap) come from the stock-ops definition (QuantizeRowsInto::composed): rotate,
-    mx.quantize, slice_update."""
+    """vjp (and jvp, vmap) come from the stock-ops definition (QuantizeRowsInto::composed): centre,
+    rotate, mx.quantize, slice_update."""
     rng = np.random.default_rng(3)
     x = mx.array(rng.standard_normal((1, 2, 3, 32)).astype(np.float32))
     rotation = mx.array(rng.standard_normal((32, 32)).astype(np.float32))
+    center = mx.array(rng.standard_normal((1, 2, 1, 32)).astype(np.float32))
     buffers = [mx.zeros((1, 2, 5, 4), mx.uint32), mx.zeros((1, 2, 5, 1)), mx.zeros((1, 2, 5, 1))]
     weights = mx.arange(5, dtype=mx.float32)[:, None]
 
     def op(x):
-        return (_ext.quantize_rows_into(*buffers, x, 1, rotation, 4, 32)[1] * weights).sum()
+        return (_ext.quantize_rows_into(*buffers, x, 1, rotation, 4, 32, center)[1] * weights).sum()
 
     def definition(x):
-        _, scales, _ = mx.quantize(x @ rotation, group_size=32, bits=4)
+        _, scales, _ = mx.quantize((x - center) @ rotation, group_size=32, bits=4)
         return (mx.slice_update(buffers[1], scales, mx.array([0, 0, 1, 0]), axes=(0, 1, 2, 3)) * weights).sum()
 
     np.testing.assert_allclose(np.array(mx.grad(op)(x)), np.array(mx.grad(definition)(x)), rtol=1e-5, atol=1e-6)
@@ -199,7 +231,7 @@ def test_quantize_rows_into_derivatives_follow_its_definition():
     [(dict(bits=3), "bits must be 2, 4 or 8"), (dict(group_size=16), "group_size must be"),
      (dict(start=-1), "outside the buffers"), (dict(start=8), "outside the buffers"),
      (dict(x=(1, 2, 1, 48)), "does not divide"), (dict(x=(2, 2, 1, 32)), "packed must have shape"), (dict(packed=(1, 2, 8, 4)), "packed must have shape"),
-     (dict(x=(2, 1, 32)), "array \\(B, H, n, D\\)"), (dict(scales=(1, 2, 8, 2)), "scales and biases must have"),
+     (dict(x=(2, 1, 32)), "array \\(B, H, n, D\\)"), (dict(scales=(1, 2, 8, 2)), "scales and biases must be float arrays"),
      (dict(rotation=(16, 16)), "rotation must be")],
 )
 def test_quantize_rows_into_rejects_bad_input(change, match):
@@ -211,9 +243,13 @@ def test_quantize_rows_into_rejects_bad_input(change, match):
     with pytest.raises(ValueError, match=match):
         _ext.quantize_rows_into(arrays["packed"], arrays["scales"], arrays["biases"], arrays["x"], args["start"], rotation,
                                 args["bits"], args["group_size"])
-    with pytest.raises(ValueError, match="x's dtype"):
+    with pytest.raises(ValueError, match="float arrays of one dtype"):
         _ext.quantize_rows_into(mx.zeros((1, 2, 8, 8), mx.uint32), mx.zeros((1, 2, 8, 1), mx.float16),
-                                mx.zeros((1, 2, 8, 1), mx.float16), mx.zeros((1, 2, 1, 32)), 0, None, 8, 32)
+                                mx.zeros((1, 2, 8, 1)), mx.zeros((1, 2, 1, 32)), 0, None, 8, 32)
+    for center in (mx.zeros((1, 2, 2, 32)), mx.zeros((1, 3, 1, 32)), mx.zeros((1, 2, 1, 32), mx.float16), mx.zeros((2, 1, 32))):
+        with pytest.raises(ValueError, match="center must be a float32"):
+            _ext.quantize_rows_into(mx.zeros((1, 2, 8, 8), mx.uint32), mx.zeros((1, 2, 8, 1)), mx.zeros((1, 2, 8, 1)),
+                                    mx.zeros((1, 2, 1, 32)), 0, None, 8, 32, center)
 
 
 @pytest.mark.parametrize("bits", [None, 3, 4, 8, (8, 4)])

@@ -124,7 +124,7 @@ class ColumnedKV(KVWrapper):
         f[flat_rows(idx, a.shape[2])] = values.reshape(-1).astype(a.dtype)
         self.columns[name] = f.reshape(a.shape)
 
-    def append(self, keys, values, capacity=None, rotation=None, **columns: ColumnValues) -> None:
+    def append(self, keys, values, capacity=None, transform=None, **columns: ColumnValues) -> None:
         """Rows as `KVStorage.append`, and each column's values for them (written when read)."""
         if set(columns) != set(self.dtypes):
             raise ValueError(f"append needs the columns {sorted(self.dtypes)}, got {sorted(columns)}")
@@ -139,7 +139,7 @@ class ColumnedKV(KVWrapper):
         elif n + L > self.columns_capacity:
             written = self.written_columns()
             self.columns = dict(zip(written, grow_rows(written.values(), n, capacity_for(n + L, capacity))))
-        self.inner.append(keys, values, capacity, rotation)
+        self.inner.append(keys, values, capacity, transform)
         for name, v in columns.items():
             self._waiting[name].append((L, v))
 

@@ -10,15 +10,28 @@ v_bits) pair: keys are the sensitive half, so K8/V4 spends its bits where they m
 """
 
 from abc import ABC, abstractmethod
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from .._ops import MAX_SEGMENTS
 from .rows import RowStore, capacity_for, pad_indices
 
-# (rk, rv): float32 (D, D) matrices new rows are multiplied by before they are stored (KVStorage.append).
+# (q_rotation, out_rotation): float32 (D, D) matrices the attention op multiplies queries and output by
+# (KVStorage.rotations).
 Rotation = Optional[Tuple[mx.array, mx.array]]
+
+
+class RowTransform(NamedTuple):
+    """What a storage's write makes of new rows before storing them (KVStorage.append): keys
+    (k - key_center) @ rk, values v @ rv, each step rounded to the rows' dtype as the stock ops
+    would round it. The wrappers that rotate (RotatedKV) or centre keys (CenteredKeysKV,
+    rotation.py) hand their part down, so that a packed store does all of it inside its write's
+    one primitive (RowStore.put) instead of each wrapper adding primitives of its own."""
+
+    rk: Optional[mx.array] = None  # float32 (Dk, Dk)
+    rv: Optional[mx.array] = None  # float32 (Dv, Dv)
+    key_center: Optional[mx.array] = None  # float32 (B, H, 1, Dk)
 
 
 class KVStorage(ABC):
@@ -30,10 +43,11 @@ class KVStorage(ABC):
         """Rows held."""
 
     @abstractmethod
-    def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None, rotation: Rotation = None) -> None:
+    def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None,
+               transform: Optional[RowTransform] = None) -> None:
         """Write rows (B, H, L, D) after the held ones; `capacity` sizes the buffers when they grow
-        (None: steps of GROW_STEP rows). With `rotation` (rk, rv), the rows to keep are keys @ rk and
-        values @ rv, in their dtype (a rotated storage, rotation.py, lets the write do it)."""
+        (None: steps of GROW_STEP rows). With a `transform`, the rows to keep are what it makes of
+        them (rotated, keys centred), in their dtype."""
 
     @abstractmethod
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
@@ -195,7 +209,8 @@ class KVStore(KVStorage):
     def capacity(self) -> int:
         return self.shared_length + self.k.capacity
 
-    def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None, rotation: Rotation = None) -> None:
+    def append(self, keys: mx.array, values: mx.array, capacity: Optional[int] = None,
+               transform: Optional[RowTransform] = None) -> None:
         start = self._length
         needed = start + keys.shape[2]
         if needed > self.k.capacity:
@@ -203,9 +218,9 @@ class KVStore(KVStorage):
             # (encode only builds the graph here, never evaluated: the buffers' shapes and dtypes)
             self.k.reserve(self.k.encode(keys), start, own)
             self.v.reserve(self.v.encode(values), start, own)
-        rk, rv = (None, None) if rotation is None else rotation
-        self.k.put(start, keys, rk)
-        self.v.put(start, values, rv)
+        t = transform or RowTransform()
+        self.k.put(start, keys, t.rk, t.key_center)
+        self.v.put(start, values, t.rv)
         self._length = needed
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
@@ -415,10 +430,10 @@ class TieredKV(TwoPartKV):
         self.low, self.high = KVStore(low_bits, group_size), KVStore(high_bits, group_size)
         self.window = window
 
-    def append(self, keys, values, capacity: Optional[int] = None, rotation: Rotation = None) -> None:
+    def append(self, keys, values, capacity: Optional[int] = None, transform: Optional[RowTransform] = None) -> None:
         # Exact room: demote() cuts the high tier back to its newest rows, so spare capacity there
         # would be allocated and dropped on every call. (Demoted rows are stored rows: not rotated again.)
-        self.high.append(keys, values, self.high.length + keys.shape[2], rotation)
+        self.high.append(keys, values, self.high.length + keys.shape[2], transform)
         self.demote(self.window, capacity)
 
     def demote(self, keep_high: int, capacity: Optional[int]) -> None:
@@ -447,13 +462,13 @@ class SinkRowsKV(TwoPartKV):
     def __init__(self, rest: KVStorage, count: int, bits, group_size: int = 32):
         self.sinks, self.rest, self.count = KVStore(bits, group_size), rest, count
 
-    def append(self, keys, values, capacity: Optional[int] = None, rotation: Rotation = None) -> None:
+    def append(self, keys, values, capacity: Optional[int] = None, transform: Optional[RowTransform] = None) -> None:
         n = min(self.count - self.sinks.length, keys.shape[2])
         if n > 0:
-            self.sinks.append(keys[:, :, :n], values[:, :, :n], self.count, rotation)
+            self.sinks.append(keys[:, :, :n], values[:, :, :n], self.count, transform)
         if keys.shape[2] > n:
             rest = None if capacity is None else max(capacity - self.count, 1)
-            self.rest.append(keys[:, :, n:] if n > 0 else keys, values[:, :, n:] if n > 0 else values, rest, rotation)
+            self.rest.append(keys[:, :, n:] if n > 0 else keys, values[:, :, n:] if n > 0 else values, rest, transform)
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
         n = self.sinks.length  # idx[..., :n] are the sink rows (protected, ascending)

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .._native import _ext
-from .kv import KVStorage
+from .kv import KVStorage, RowTransform
 from .wrapper import KVWrapper
 
 LAMBDA_FLOOR = 1e-6
@@ -144,9 +144,9 @@ class RotatedKV(KVWrapper):
         self.seed, self.lam = seed, lam
         self.rotation: Optional[KVRotation] = None
 
-    def append(self, keys, values, capacity=None, rotation=None) -> None:
-        if rotation is not None:
-            raise ValueError("RotatedKV rotates its rows itself; it takes no rotation")
+    def append(self, keys, values, capacity=None, transform=None) -> None:
+        if transform is not None:
+            raise ValueError("RotatedKV transforms its rows itself; it takes no transform")
         if self.rotation is None:
             self.rotation = KVRotation.seeded(keys.shape[-1], values.shape[-1], self.seed)
             if isinstance(self.lam, tuple):
@@ -155,7 +155,7 @@ class RotatedKV(KVWrapper):
                 self.rotation.fit_lambdas(keys, values)
         if self.rotation.lam_k is None and self.rotation.lam_v is None:
             # a plain rotation: the storage's write applies it (one primitive for packed rows)
-            self.inner.append(keys, values, capacity, (self.rotation.rk_t, self.rotation.rv_t))
+            self.inner.append(keys, values, capacity, RowTransform(self.rotation.rk_t, self.rotation.rv_t))
         else:
             self.inner.append(self.rotation.keys(keys), self.rotation.values(values), capacity)
 
@@ -204,27 +204,29 @@ class CenteredKeysKV(KVWrapper):
         self.center: Optional[mx.array] = None
         self.stored_center: Optional[mx.array] = None
 
-    def append(self, keys, values, capacity=None, rotation=None) -> None:
+    def append(self, keys, values, capacity=None, transform=None) -> None:
+        transform = transform or RowTransform()
         if self.center is None:
             if self.inner.length + keys.shape[2] <= self.after:
-                return self.inner.append(keys, values, capacity, rotation)
-            keys, values = self._fix_center(keys, values, rotation)
+                return self.inner.append(keys, values, capacity, transform)
+            keys, values = self._fix_center(keys, values, transform)
             capacity = None if capacity is None else max(capacity, keys.shape[2])
-        self.inner.append((keys - self.center).astype(keys.dtype), values, capacity, rotation)
+        # the write subtracts c (one primitive with the rest of it for packed rows)
+        self.inner.append(keys, values, capacity, transform._replace(key_center=self.center))
 
-    def _fix_center(self, keys, values, rotation):
+    def _fix_center(self, keys, values, transform: RowTransform):
         """Fix c from the rows held and `keys`; returns every row (held, then new) to write again."""
         held = self.inner.length
         if held:
             hk, hv = self.inner.read_rows()  # stored space, float32
-            if rotation is not None:  # back to the model's space (stored = x @ r_t, r orthonormal)
-                hk, hv = hk @ rotation[0].T, hv @ rotation[1].T
+            if transform.rk is not None:  # back to the model's space (stored = x @ r_t, r orthonormal)
+                hk, hv = hk @ transform.rk.T, hv @ transform.rv.T
             self.inner.trim(held)
             keys = mx.concatenate([hk.astype(keys.dtype), keys], axis=2)
             values = mx.concatenate([hv.astype(values.dtype), values], axis=2)
         skip = min(self.skip, keys.shape[2] - 1)
         self.center = keys[:, :, skip:].astype(mx.float32).mean(axis=2, keepdims=True)
-        self.stored_center = self.center if rotation is None else self.center @ rotation[0]
+        self.stored_center = self.center if transform.rk is None else self.center @ transform.rk
         return keys, values
 
     def key_center(self, stored: bool = False) -> Optional[mx.array]:

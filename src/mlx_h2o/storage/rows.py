@@ -9,7 +9,7 @@ from .._native import _ext
 from ..attention import PackedKV
 
 GROW_STEP = 256  # rows added when a buffer grows without a stated capacity (as mlx-lm's caches do)
-# Packed formats whose new rows one primitive rotates, quantizes and writes (_ext.quantize_rows_into):
+# Packed formats whose new rows one primitive centres, rotates, quantizes and writes (_ext.quantize_rows_into):
 # MLX packs these bits into whole uint32 words.
 FUSED_WRITE_BITS = (2, 4, 8)
 
@@ -121,15 +121,19 @@ class RowStore:
         for a, r in zip(self.arrays, rows):
             a[:, :, start : start + n] = r
 
-    def put(self, start: int, x: mx.array, rotation: Optional[mx.array] = None) -> None:
-        """Dense rows x (B, H, n, D) at [start, start + n), first rotated (x @ `rotation`, a float32
-        (D, D) matrix, summed in float64 and rounded once to x's dtype) when given. Packed at 2, 4 or
-        8 bits this is a primitive per buffer (`_ext.quantize_rows_into`, in place); as stock ops
-        it was up to 7 (the matmul's flatten, matmul and unflatten, the quantize, a slice_update per
-        array) for a decode step's one row."""
+    def put(self, start: int, x: mx.array, rotation: Optional[mx.array] = None, center: Optional[mx.array] = None) -> None:
+        """Dense rows x (B, H, n, D) at [start, start + n), first less `center` (a float32 (B, H, 1, D)
+        array, the result rounded to x's dtype) and then rotated (x @ `rotation`, a float32 (D, D)
+        matrix, summed in float64 and rounded once to x's dtype) when given. Packed at 2, 4 or 8 bits
+        this is one primitive, or one per buffer for large buffers (`_ext.quantize_rows_into`, in
+        place); as stock ops it was up to 10 (the centre's cast, subtraction and cast back, the
+        matmul's flatten, matmul and unflatten, the quantize, a slice_update per array) for a decode
+        step's one row."""
         if self.bits in FUSED_WRITE_BITS and x.dtype == self.arrays[1].dtype:
-            self.arrays = tuple(_ext.quantize_rows_into(*self.arrays, x, start, rotation, self.bits, self.group_size))
+            self.arrays = tuple(_ext.quantize_rows_into(*self.arrays, x, start, rotation, self.bits, self.group_size, center))
             return
+        if center is not None:
+            x = (x - center).astype(x.dtype)
         if rotation is not None:
             x = _ext.rotate_rows(x, rotation, x.dtype)
         self.write(start, self.encode(x))

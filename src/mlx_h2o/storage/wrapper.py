@@ -13,8 +13,8 @@ class KVWrapper(KVStorage):
     def length(self) -> int:
         return self.inner.length
 
-    def append(self, keys, values, capacity=None, rotation=None) -> None:
-        self.inner.append(keys, values, capacity, rotation)
+    def append(self, keys, values, capacity=None, transform=None) -> None:
+        self.inner.append(keys, values, capacity, transform)
 
     def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
         self.inner.gather(idx, keep, protected_tail, capacity)

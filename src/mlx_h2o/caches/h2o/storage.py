@@ -52,14 +52,14 @@ class WindowTieredKV(TieredKV):
         super().__init__(low_bits, high_bits, window, group_size)
         self.slack = slack
 
-    def append(self, keys, values, capacity=None, rotation=None) -> None:
+    def append(self, keys, values, capacity=None, transform=None) -> None:
         L = keys.shape[2]
         if L > self.slack:  # a prefill chunk: appended whole, then cut back to the window
-            return super().append(keys, values, capacity, rotation)
+            return super().append(keys, values, capacity, transform)
         room = self.window + self.slack
         if self.high.length + L > room:
             self.demote(self.window, capacity)
-        self.high.append(keys, values, room, rotation)
+        self.high.append(keys, values, room, transform)
 
     def demote(self, keep_high, capacity):
         super().demote(keep_high, None if capacity is None else max(capacity - self.window, 1))
