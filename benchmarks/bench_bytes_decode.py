@@ -66,7 +66,8 @@ def kernel_times(mx, rows: int, heads: int, kv_heads: int, head_dim: int, rounds
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def layer_kernel_times(mx, lane, window_rows: int, heads: int, head_dim: int, rounds: int = 9, reps: int = 200) -> dict:
+def layer_kernel_times(mx, lane, window_rows: int, heads: int, kv_heads: int, head_dim: int, rounds: int = 9,
+                       reps: int = 200) -> dict:
     """µs (min, median) of one decode-shaped attention call as a step makes it: over an h2o layer's
     segments (`lane`: its sink, packed and newest rows), with its rotations and scores; over the
     fp window's `window_rows` float32 rows; and over 8 float32 rows (what a lone call costs whatever
@@ -74,7 +75,6 @@ def layer_kernel_times(mx, lane, window_rows: int, heads: int, head_dim: int, ro
     from mlx_h2o.attention import attention_with_scores
 
     segments, (q_rotation, out_rotation) = lane.segments(), lane.store.rotations() or (None, None)
-    kv_heads = segments[0][0].scales.shape[1] if hasattr(segments[0][0], "scales") else segments[0][0].shape[1]
     q = mx.random.normal((1, heads, 1, head_dim))
     window, lone = ([(mx.random.normal((1, kv_heads, n, head_dim)),) * 2] for n in (window_rows, 8))
     mx.eval(q, window, lone)
@@ -165,8 +165,9 @@ def main(argv=None):
     print(f"\nThe fused kernel alone, one layer's decode call over h2o's {M} rows: "
           + ", ".join(f"{name} {us:.0f} µs" for name, us in kernel.items()))
     h2o_lane = next(c.lanes[0] for c in caches["h2o"] if getattr(c, "lanes", None))
-    layer = layer_kernel_times(mx, h2o_lane, max(c.max_size for c in caches["window fp"] if hasattr(c, "max_size")),
-                               args_model.num_attention_heads, args_model.hidden_size // args_model.num_attention_heads)
+    window_rows = next(dict(s.options)["max_kv_size"] for s in specs if s.name == "window fp")
+    layer = layer_kernel_times(mx, h2o_lane, window_rows, args_model.num_attention_heads, args_model.num_key_value_heads,
+                               args_model.hidden_size // args_model.num_attention_heads)
     print("One layer's attention call as the step makes it, µs (min / median of 9 rounds): "
           + ", ".join(f"{name} {lo:.0f} / {med:.0f}" for name, (lo, med) in layer.items()))
     if args.pipelined_rounds > 0:

@@ -361,7 +361,7 @@ void QuantizeRowsInto::eval_cpu(const std::vector<mx::array>& inputs, std::vecto
     if (copied[i]) in[i] = contiguous_copy(in[i], enc);
   }
   // x is read by its strides (the model's values arrive as a transposed view), its rows as vectors
-  const int xi = n_parts, ri = xi + 1, ci = ri + (rotated_ ? 1 : 0);
+  const int xi = x_input(), ri = rotation_input(), ci = center_input();
   if (needs_copy(in[xi])) in[xi] = contiguous_copy(in[xi], enc);
   if (rotated_ && !in[ri].flags().row_contiguous) in[ri] = contiguous_copy(in[ri], enc);
   if (centered_ && needs_copy(in[ci])) in[ci] = contiguous_copy(in[ci], enc);
@@ -417,15 +417,14 @@ void QuantizeRowsInto::eval_gpu(const std::vector<mx::array>&, std::vector<mx::a
 }
 
 std::vector<mx::array> QuantizeRowsInto::composed(const std::vector<mx::array>& inputs) {
-  const int n_parts = static_cast<int>(parts_.size());
-  const auto& x = inputs[n_parts];
+  const auto& x = inputs[x_input()];
   const auto dtype = row_dtype_;
   auto y = mx::astype(x, dtype, stream());
-  if (centered_) y = mx::astype(mx::subtract(y, inputs[n_parts + 1 + (rotated_ ? 1 : 0)], stream()), dtype, stream());
-  if (rotated_) y = rotated(y, inputs[n_parts + 1], dtype, stream());
+  if (centered_) y = mx::astype(mx::subtract(y, inputs[center_input()], stream()), dtype, stream());
+  if (rotated_) y = rotated(y, inputs[rotation_input()], dtype, stream());
   auto rows = mx::quantize(y, group_size_, bits_, "affine", std::nullopt, stream());
   std::vector<mx::array> out;
-  for (int i = 0; i < n_parts; ++i) {
+  for (int i = 0; i < x_input(); ++i) {
     mx::Shape start(4, 0), stop = inputs[i].shape();
     start[2] = start_;
     stop[2] = start_ + x.shape(2);

@@ -131,6 +131,11 @@ class QuantizeRowsInto : public ComposedPrimitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
+  // The inputs' order: the parts' buffers, x, the rotation (when rotated), the centre (when centred).
+  int x_input() const { return static_cast<int>(parts_.size()); }
+  int rotation_input() const { return x_input() + 1; }
+  int center_input() const { return x_input() + (rotated_ ? 2 : 1); }
+
   std::vector<PackedPart> parts_;
   mx::Dtype row_dtype_;  // the scales' and biases' (the rows are rounded to it before packing)
   int start_, bits_, group_size_;
