@@ -58,10 +58,12 @@ class Replaced:
 
     def __enter__(self):
         self.saved = [(c, m, c.__dict__[m]) for c, m in LINEARS] + [(hook, "scaled_dot_product_attention_with_scores",
-                                                                        hook.scaled_dot_product_attention_with_scores)]
+                                                                        hook.scaled_dot_product_attention_with_scores),
+                                                                       (cpu_layers, "_packed_matmul", cpu_layers._packed_matmul)]
         if self.linears:
             for c, m in LINEARS:
                 setattr(c, m, _zeros_linear)
+            cpu_layers._packed_matmul = _zeros_linear  # what the flat llama blocks call in place of the layers
         if self.attention:
             hook.scaled_dot_product_attention_with_scores = _zeros_attention
 

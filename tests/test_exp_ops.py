@@ -93,11 +93,11 @@ def test_swiglu_mlp_with_projections_of_two_dtypes_takes_mlx_lms_activation():
 
 def test_default_kernels_add_swiglu_where_mlx_runs_the_rest():
     """load()'s default: every kernel on stock MLX; on the fork's MLX (which runs norms, RoPE and the
-    quantized layers itself) the SwiGLU MLPs only."""
+    quantized layers itself) the SwiGLU MLPs and the flat llama blocks only."""
     model = tiny_model("llama")
     fork = cpu_layers.mlx_has_layer_kernels()
     layers = len(model.layers)
-    assert mlx_h2o.use_default_cpu_kernels(model) == (layers if fork else 4 * layers + 1)
+    assert mlx_h2o.use_default_cpu_kernels(model) == (2 * layers if fork else 5 * layers + 1)
     assert all(isinstance(layer.mlp, cpu_layers.KernelSwiGLU) for layer in model.layers)
     assert (type(model.model.norm) is nn.RMSNorm) == fork
 

@@ -124,7 +124,7 @@ def test_model_layers_use_the_kernels_and_agree_with_stock(monkeypatch):
     stock = logits()
     assert not calls
     layers = len(model.layers)
-    switched = 4 * layers + 1  # 2 norms, rope, MLP per layer; final norm
+    switched = 5 * layers + 1  # 2 norms, rope, MLP, the flat block per layer; final norm
     assert mlx_h2o.use_cpu_layer_kernels(model) == switched
     assert cpu_layers.cpu_layer_kernels_used(bystander) == 0
     ours = logits()

@@ -7,6 +7,8 @@
   step's primitives, each paying dispatch. Here each is one primitive.
 - `swiglu` for the SwiGLU MLPs of llama, qwen2, qwen3 and olmo2 (`SWIGLU_MLPS`): mlx-lm's `swiglu` is an
   `mx.compile`d function, on Linux a JIT-compiled loop of scalar `exp` calls.
+- llama's decoder block (`LLAMA_BLOCKS`) as one Python frame, the layers above called inline: the same
+  ops, built with less Python.
 
 Decode is a matrix-vector product per layer: MLX's CPU `quantized_matmul` unpacks every weight to a
 float first, and dequantized float32 weights move 4x the bytes. The kernel (csrc/kernels/
@@ -22,6 +24,7 @@ the process keep MLX's own layers. Each call takes the kernel on CPU streams onl
 layers: affine mode, bits 4/8, groups 32/64/128); anything else falls back to MLX's own method.
 """
 
+import sys
 from typing import Optional
 
 import mlx.core as mx
@@ -62,14 +65,18 @@ def quantized_matmul(
     return _ext.quantized_matmul(x, w, scales, biases, group_size, bits, -1 if max_rows is None else max_rows, stream)
 
 
-def _kernel_handles(layer) -> bool:
+def _kernel_format(layer) -> bool:
+    """Whether a quantized layer's weights are in the integer-dot kernel's formats."""
     return (
         getattr(layer, "mode", "affine") == "affine"
         and layer.bits in KERNEL_BITS
         and layer.group_size in KERNEL_GROUP_SIZES
         and layer.get("biases") is not None
-        and _on_cpu()
     )
+
+
+def _kernel_handles(layer) -> bool:
+    return _kernel_format(layer) and _on_cpu()
 
 
 def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float, *, stream=None) -> mx.array:
@@ -180,14 +187,7 @@ class KernelSwiGLU:
     """Put before a SWIGLU_MLPS class: its gated activation is the `swiglu` kernel on CPU streams."""
 
     def __call__(self, x):
-        if not _on_cpu():
-            return super().__call__(x)
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if gate.dtype != up.dtype or gate.shape != up.shape:  # the kernel's domain; mlx-lm's own otherwise
-            from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
-
-            return self.down_proj(mlx_lm_swiglu(gate, up))
-        return self.down_proj(_ext.swiglu(gate, up, None))
+        return _swiglu_mlp(self, x) if _on_cpu() else super().__call__(x)
 
 
 _kernel_mlps = {}
@@ -198,6 +198,83 @@ def _kernel_mlp(cls):
     if cls not in _kernel_mlps:
         _kernel_mlps[cls] = type(f"Kernel{cls.__name__}", (KernelSwiGLU, cls), {"__module__": __name__})
     return _kernel_mlps[cls]
+
+
+# mlx-lm decoder blocks whose call, with its Attention's and MLP's, is exactly llama's (tests/
+# test_flat_blocks.py checks each class's source still says so).
+LLAMA_BLOCKS = {("mlx_lm.models.llama", "TransformerBlock")}
+
+
+def _linear(layer, x):
+    """layer(x), with KernelQuantizedLinear's call inlined (the caller has checked for a CPU stream)."""
+    if type(layer) is KernelQuantizedLinear and _kernel_format(layer):
+        y = _packed_matmul(layer, x)
+        return y + layer["bias"] if "bias" in layer else y
+    return layer(x)
+
+
+def _norm(layer, x):
+    return _ext.rms_norm(x, layer["weight"], layer.eps, None) if type(layer) is KernelRMSNorm else layer(x)
+
+
+def _rope(layer, x, offset):
+    if type(layer) is KernelRoPE and type(offset) is int:
+        return _ext.rope(x, layer.dims, layer.traditional, layer.base, layer.scale, offset, None)
+    return layer(x, offset=offset)
+
+
+def _swiglu_mlp(mlp, x):
+    """A KernelSwiGLU MLP's call on a CPU stream."""
+    gate, up = _linear(mlp["gate_proj"], x), _linear(mlp["up_proj"], x)
+    if gate.dtype != up.dtype or gate.shape != up.shape:  # the kernel's domain; mlx-lm's own otherwise
+        from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+        return _linear(mlp["down_proj"], mlx_lm_swiglu(gate, up))
+    return _linear(mlp["down_proj"], _ext.swiglu(gate, up, None))
+
+
+class FlatLlamaBlock:
+    """Put before a LLAMA_BLOCKS class: on CPU streams its call, its attention's and its MLP's run as one
+    Python frame, with the kernel layers' calls inlined. The same ops on the same arrays, so the same
+    bits; a decode step's graph is built ~0.5 ms sooner (of ~2.4 ms), time that mlx-lm's
+    generate_step, building step t + 1 while step t evaluates, takes from the kernels' threads on a
+    2-core machine (docs/cpu-decode.md). Any other attention or MLP class runs its own call."""
+
+    _model_module = None  # the block's mlx-lm module (its Attention, MLP and attention function), set by _flat_block
+
+    def __call__(self, x, mask=None, cache=None):
+        llama = self._model_module
+        attn, mlp = self["self_attn"], self["mlp"]
+        if type(attn) is not llama.Attention or not isinstance(mlp, llama.MLP) or not _on_cpu():
+            return super().__call__(x, mask, cache)
+        B, L, _ = x.shape
+        h = _norm(self["input_layernorm"], x)
+        queries, keys, values = _linear(attn["q_proj"], h), _linear(attn["k_proj"], h), _linear(attn["v_proj"], h)
+        queries = queries.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = keys.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        rope = attn["rope"]
+        if cache is not None:
+            offset = cache.offset
+            queries, keys = _rope(rope, queries, offset), _rope(rope, keys, offset)
+            keys, values = cache.update_and_fetch(keys, values)
+        else:
+            queries, keys = rope(queries), rope(keys)
+        out = llama.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+        h = x + _linear(attn["o_proj"], out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        normed = _norm(self["post_attention_layernorm"], h)
+        return h + (_swiglu_mlp(mlp, normed) if isinstance(mlp, KernelSwiGLU) else mlp(normed))
+
+
+_flat_blocks = {}
+
+
+def _flat_block(cls):
+    """The FlatLlamaBlock subclass of a LLAMA_BLOCKS class, made once."""
+    if cls not in _flat_blocks:
+        namespace = {"__module__": __name__, "_model_module": sys.modules[cls.__module__]}
+        _flat_blocks[cls] = type(f"Flat{cls.__name__}", (FlatLlamaBlock, cls), namespace)
+    return _flat_blocks[cls]
 
 
 # stock class -> ours. Only exact instances are switched: a subclass may override the call.
@@ -212,20 +289,24 @@ KERNEL_CLASSES = {
 _STOCK_CLASSES = {ours: stock for stock, ours in KERNEL_CLASSES.items()}
 
 
-def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True, *, swiglu_only: bool = False) -> int:
-    """Switch `model`'s nn.RMSNorm, nn.RoPE, nn.QuantizedLinear, nn.QuantizedEmbedding and SWIGLU_MLPS
-    modules to the kernel subclasses above (enabled=True) or back to MLX's classes (enabled=False), in place;
-    returns how many modules changed. Only this model is affected. swiglu_only: the SwiGLU MLPs alone."""
+def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True, *, mlx_layers: bool = False) -> int:
+    """Switch `model`'s nn.RMSNorm, nn.RoPE, nn.QuantizedLinear, nn.QuantizedEmbedding, SWIGLU_MLPS and
+    LLAMA_BLOCKS modules to the kernel subclasses above (enabled=True) or back to their own classes
+    (enabled=False), in place; returns how many modules changed. Only this model is affected.
+    mlx_layers: keep MLX's norm, RoPE and quantized layers (the fork's MLX runs them on the kernels)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"use_cpu_layer_kernels needs an mlx.nn.Module, got {type(model).__name__}")
-    table = {} if enabled and swiglu_only else KERNEL_CLASSES if enabled else _STOCK_CLASSES
+    table = {} if enabled and mlx_layers else KERNEL_CLASSES if enabled else _STOCK_CLASSES
     changed = 0
     for _, module in model.named_modules():
         cls = type(module)
         new = table.get(cls)
-        if enabled and (cls.__module__, cls.__qualname__) in SWIGLU_MLPS:
+        name = (cls.__module__, cls.__qualname__)
+        if enabled and name in SWIGLU_MLPS:
             new = _kernel_mlp(cls)
-        elif not enabled and cls.__bases__[0] is KernelSwiGLU:
+        elif enabled and name in LLAMA_BLOCKS:
+            new = _flat_block(cls)
+        elif not enabled and cls.__bases__[0] in (KernelSwiGLU, FlatLlamaBlock):
             new = cls.__bases__[1]
         if new is not None:
             module.__class__ = new
@@ -236,12 +317,13 @@ def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True, *, swiglu_only
 def use_default_cpu_kernels(model: nn.Module) -> int:
     """What `mlx_h2o.load()` and `run_mlx_lm` do to a model: on the CPU, every kernel on stock MLX; on the
     fork's MLX, which runs the norm, RoPE, quantized-layer and attention kernels itself, the SwiGLU MLPs
-    only (MLX has no op for them); off the CPU, nothing. Returns how many modules changed."""
+    (MLX has no op for them) and the flat llama blocks only; off the CPU, nothing. Returns how many
+    modules changed."""
     if not _on_cpu():
         return 0
-    return use_cpu_layer_kernels(model, swiglu_only=mlx_has_layer_kernels())
+    return use_cpu_layer_kernels(model, mlx_layers=mlx_has_layer_kernels())
 
 
 def cpu_layer_kernels_used(model: nn.Module) -> int:
     """How many of `model`'s modules run the kernels."""
-    return sum(type(m) in _STOCK_CLASSES or isinstance(m, KernelSwiGLU) for _, m in model.named_modules())
+    return sum(type(m) in _STOCK_CLASSES or isinstance(m, (KernelSwiGLU, FlatLlamaBlock)) for _, m in model.named_modules())
