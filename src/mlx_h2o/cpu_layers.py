@@ -113,22 +113,18 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-class KernelRMSNorm(nn.RMSNorm):
-    """nn.RMSNorm whose CPU call is one kernel (MLX's CPU fallback composes 11 primitives)."""
-
-    def __call__(self, x):
-        if not _on_cpu():
-            return super().__call__(x)
-        return _ext.rms_norm(x, self["weight"], self.eps, None)
+# The kernel classes' calls on a CPU stream, one function each: the classes below call them, and so do
+# the flat llama blocks, which skip the classes' own call (FlatLlamaBlock).
 
 
-class KernelRoPE(nn.RoPE):
-    """nn.RoPE whose CPU call with an integer offset is one kernel (MLX's fallback: 29 primitives)."""
+def _rms_norm_on_cpu(layer, x):
+    return _ext.rms_norm(x, layer["weight"], layer.eps, None)
 
-    def __call__(self, x, offset: int = 0):
-        if not _on_cpu() or not isinstance(offset, int) or x.ndim not in (3, 4):
-            return super().__call__(x, offset)
-        return _ext.rope(x, self.dims, self.traditional, self.base, self.scale, offset, None)
+
+def _rope_on_cpu(layer, x, offset):
+    if not isinstance(offset, int) or x.ndim not in (3, 4):
+        return nn.RoPE.__call__(layer, x, offset)
+    return _ext.rope(x, layer.dims, layer.traditional, layer.base, layer.scale, offset, None)
 
 
 def _packed_matmul(layer, x):
@@ -136,14 +132,32 @@ def _packed_matmul(layer, x):
     return _ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits, KERNEL_MAX_ROWS, None)
 
 
+def _quantized_linear_on_cpu(layer, x):
+    if not _kernel_format(layer):
+        return nn.QuantizedLinear.__call__(layer, x)
+    y = _packed_matmul(layer, x)
+    return y + layer["bias"] if "bias" in layer else y
+
+
+class KernelRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose CPU call is one kernel (MLX's CPU fallback composes 11 primitives)."""
+
+    def __call__(self, x):
+        return _rms_norm_on_cpu(self, x) if _on_cpu() else super().__call__(x)
+
+
+class KernelRoPE(nn.RoPE):
+    """nn.RoPE whose CPU call with an integer offset is one kernel (MLX's fallback: 29 primitives)."""
+
+    def __call__(self, x, offset: int = 0):
+        return _rope_on_cpu(self, x, offset) if _on_cpu() else super().__call__(x, offset)
+
+
 class KernelQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose CPU call of up to KERNEL_MAX_ROWS rows runs the integer-dot kernel."""
 
     def __call__(self, x):
-        if not _kernel_handles(self):
-            return super().__call__(x)
-        y = _packed_matmul(self, x)
-        return y + self["bias"] if "bias" in self else y
+        return _quantized_linear_on_cpu(self, x) if _on_cpu() else super().__call__(x)
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -205,22 +219,20 @@ def _kernel_mlp(cls):
 LLAMA_BLOCKS = {("mlx_lm.models.llama", "TransformerBlock")}
 
 
+# layer(x) for a layer of the flat block, whose caller has checked for a CPU stream: a kernel class's
+# call without its own check, any other class's call as it is.
+
+
 def _linear(layer, x):
-    """layer(x), with KernelQuantizedLinear's call inlined (the caller has checked for a CPU stream)."""
-    if type(layer) is KernelQuantizedLinear and _kernel_format(layer):
-        y = _packed_matmul(layer, x)
-        return y + layer["bias"] if "bias" in layer else y
-    return layer(x)
+    return _quantized_linear_on_cpu(layer, x) if type(layer) is KernelQuantizedLinear else layer(x)
 
 
 def _norm(layer, x):
-    return _ext.rms_norm(x, layer["weight"], layer.eps, None) if type(layer) is KernelRMSNorm else layer(x)
+    return _rms_norm_on_cpu(layer, x) if type(layer) is KernelRMSNorm else layer(x)
 
 
 def _rope(layer, x, offset):
-    if type(layer) is KernelRoPE and type(offset) is int:
-        return _ext.rope(x, layer.dims, layer.traditional, layer.base, layer.scale, offset, None)
-    return layer(x, offset=offset)
+    return _rope_on_cpu(layer, x, offset) if type(layer) is KernelRoPE else layer(x, offset=offset)
 
 
 def _swiglu_mlp(mlp, x):
