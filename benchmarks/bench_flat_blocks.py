@@ -60,8 +60,37 @@ def decode(model, prompt, spec, steps):
     return steps / seconds, float(np.median(build[-steps:])) * 1e3, tokens
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def alternate(model, prompt, spec, args, short: str, arms: dict):
+    """Decode with two arms (name -> a function that switches the model to it) alternating round by
+    round, the order flipped every round; print each round, then the table and the second arm's
+    ratio to the first (medians) under `short`. Leaves the model on the second arm."""
+    (base, set_base), (new, set_new) = arms.items()
+    runs, tokens = {base: [], new: []}, {}
+    for r in range(args.rounds):
+        for name in (base, new) if r % 2 == 0 else (new, base):
+            arms[name]()
+            tok_s, build_ms, toks = decode(model, prompt, spec, args.steps)
+            runs[name].append((tok_s, build_ms))
+            tokens.setdefault(name, toks)
+        print(f"  round {r + 1}/{args.rounds}: {base} {runs[base][-1][0]:.1f} tok/s, {new} {runs[new][-1][0]:.1f}", flush=True)
+    set_new()
+    med = {name: float(np.median([t for t, _ in v])) for name, v in runs.items()}
+    print(f"\n{spec.label}, context {args.context}, {args.steps} steps a round, {args.rounds} rounds")
+    print("| arm | tok/s per round | median tok/s | median build ms |")
+    print("|---|---|---|---|")
+    for name in (base, new):
+        per = ", ".join(f"{t:.1f}" for t, _ in runs[name])
+        print(f"| {name} | {per} | {med[name]:.1f} | {np.median([b for _, b in runs[name]]):.2f} |")
+    wins = sum(a[0] > b[0] for a, b in zip(runs[new], runs[base]))
+    print(f"{short} / the other: {med[new] / med[base]:.3f}x (medians; faster in {wins} of {args.rounds} rounds); "
+          f"same tokens: {tokens[new] == tokens[base]}")
+
+
+def run_alternating(description: str, short: str, arms_of):
+    """The command line of this benchmark and of those built on it: parse it, load the embedded model,
+    make the arms (`arms_of(model)` -> {name: a function that switches the model to it}; the second
+    is the one measured against the first) and alternate them for every cache spec."""
+    ap = argparse.ArgumentParser(description=description.splitlines()[0])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--caches", nargs="+", default=["full"], metavar="SPEC")
     ap.add_argument("--rounds", type=int, default=8)
@@ -72,35 +101,20 @@ def main():
     except ValueError as e:
         ap.error(f"--caches: {e}")
     model, tokenizer = mlx_h2o.load()
-    if not isinstance(model.model.layers[0], cpu_layers.FlatLlamaBlock):
-        raise SystemExit("the model's blocks are not llama's: nothing to compare")
+    arms = arms_of(model)
     with open("/usr/share/common-licenses/GPL-3", encoding="utf-8") as f:
         prompt = mx.array(tokenizer.encode(f.read() * 4)[: args.context])
     print(f"uptime before: {os.popen('uptime').read().strip()}", flush=True)
     for spec in specs:
-        runs = {False: [], True: []}
-        tokens = {}
-        for r in range(args.rounds):
-            for flat in (False, True) if r % 2 == 0 else (True, False):
-                set_flat(model, flat)
-                tok_s, build_ms, toks = decode(model, prompt, spec, args.steps)
-                runs[flat].append((tok_s, build_ms))
-                tokens.setdefault(flat, toks)
-            print(f"  round {r + 1}/{args.rounds}: mlx-lm's block {runs[False][-1][0]:.1f} tok/s, flat {runs[True][-1][0]:.1f}",
-                  flush=True)
-        set_flat(model, True)
-        med = {f: float(np.median([t for t, _ in v])) for f, v in runs.items()}
-        print(f"\n{spec.label}, context {args.context}, {args.steps} steps a round, {args.rounds} rounds")
-        print("| block | tok/s per round | median tok/s | median build ms |")
-        print("|---|---|---|---|")
-        for flat, name in ((False, "mlx-lm's TransformerBlock"), (True, "flat (FlatLlamaBlock)")):
-            per = ", ".join(f"{t:.1f}" for t, _ in runs[flat])
-            print(f"| {name} | {per} | {med[flat]:.1f} | {np.median([b for _, b in runs[flat]]):.2f} |")
-        wins = sum(a[0] > b[0] for a, b in zip(runs[True], runs[False]))
-        print(f"flat / mlx-lm's: {med[True] / med[False]:.3f}x (medians; flat faster in {wins} of {args.rounds} rounds); "
-              f"same tokens: {tokens[True] == tokens[False]}")
+        alternate(model, prompt, spec, args, short, arms)
     print(f"uptime after: {os.popen('uptime').read().strip()}")
 
 
+def flat_arms(model):
+    if not isinstance(model.model.layers[0], cpu_layers.FlatLlamaBlock):
+        raise SystemExit("the model's blocks are not llama's: nothing to compare")
+    return {"mlx-lm's TransformerBlock": lambda: set_flat(model, False), "flat (FlatLlamaBlock)": lambda: set_flat(model, True)}
+
+
 if __name__ == "__main__":
-    main()
+    run_alternating(__doc__, "flat", flat_arms)

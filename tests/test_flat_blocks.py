@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 import mlx_h2o
@@ -144,3 +145,87 @@ def test_flat_blocks_switch_back_and_stay_in_their_model():
     assert all(type(b) is llama.TransformerBlock for b in model.model.layers)
     assert cpu_layers.cpu_layer_kernels_used(model) == 0
     assert changed >= 2 * n  # the blocks and their MLPs at least
+
+
+def _packed(model):
+    """Each block's packed q/k/v and each MLP's packed gate/up."""
+    return [(getattr(b, "_packed_qkv", None), getattr(b.mlp, "_packed_gate_up", None)) for b in model.layers]
+
+
+def _unpack(model):
+    for block in model.layers:
+        vars(block).pop("_packed_qkv", None)
+        vars(block.mlp).pop("_packed_gate_up", None)
+
+
+def _logits(model, policy, options, tokens):
+    """Logits of a prompt in two chunks (40 rows: the GEMM path; 10: the integer dots), then token by token."""
+    cache = mlx_h2o.make_cache(model, policy, **options)
+    outs = [np.array(model(mx.array(tokens[:40])[None], cache=cache)), np.array(model(mx.array(tokens[40:50])[None], cache=cache))]
+    return outs + [np.array(model(mx.array([[t]]), cache=cache)) for t in tokens[50:]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("policy, options", [("full", {}), ("h2o", {"max_kv_size": 48, "kv_bits": "4/8", "rotate": True})],
+                         ids=["full", "h2o-packed"])
+@pytest.mark.parametrize("mlx_layers", [False, True], ids=["kernel-layers", "mlx-layers"])
+def test_packed_projections_give_the_same_bits(arch, policy, options, mlx_layers):
+    """q/k/v (llama's flat block) and gate/up (the kernel MLPs) as one product each: the same logits
+    to the bit as the layers one by one, for prompts and decode, with our layers or (the fork) MLX's."""
+    if mlx_layers and not cpu_layers.mlx_has_layer_kernels():
+        pytest.skip("this MLX's quantized_matmul is not the kernel: MLX's layers are not packed")
+    model = tiny_model(arch, hidden_size=128)  # head dim 32: packed K/V rows
+    nn.quantize(model, group_size=32, bits=4)
+    weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    mlx_h2o.use_cpu_layer_kernels(model, mlx_layers=mlx_layers)
+    packed = _packed(model.model)
+    assert all(gate_up is not None for _, gate_up in packed)
+    assert all((qkv is not None) == (arch == "llama") for qkv, _ in packed)
+    after = dict(tree_flatten(model.parameters()))
+    assert after.keys() == weights.keys()  # the layers keep their own arrays (views of the packed ones)
+    for k, v in after.items():
+        np.testing.assert_array_equal(np.array(v), weights[k])
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, 128, 64)]
+    with_packing = _logits(model, policy, options, tokens)
+    _unpack(model.model)
+    for a, b in zip(with_packing, _logits(model, policy, options, tokens)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_packed_projections_give_way_to_new_weights_and_adapters():
+    """model.update or a LoRA layer in place of a projection: the layers run one by one, with what
+    they now hold (the packed product would be stale)."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    model = tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    mlx_h2o.use_cpu_layer_kernels(model)
+    block = model.model.layers[0]
+    other = tiny_model("llama", seed=1)
+    nn.quantize(other, group_size=32, bits=4)
+    block.self_attn.k_proj.update(dict(other.model.layers[0].self_attn.k_proj.parameters()))
+    block.mlp.up_proj.update(dict(other.model.layers[0].mlp.up_proj.parameters()))
+    block.self_attn.q_proj = LoRALinear.from_base(block.self_attn.q_proj, r=4)
+    block.self_attn.q_proj.lora_b = mx.random.normal(block.self_attn.q_proj.lora_b.shape)
+    assert block._packed_qkv is not None and block.mlp._packed_gate_up is not None
+    x = mx.random.normal((1, 3, 64))
+    packed_block = np.array(block(x, cache=mlx_h2o.make_cache(model, "full")[0]))
+    assert block._packed_qkv is None and block.mlp._packed_gate_up is None  # dropped, their buffers with them
+    _unpack(model.model)
+    np.testing.assert_array_equal(packed_block, np.array(block(x, cache=mlx_h2o.make_cache(model, "full")[0])))
+
+
+@pytest.mark.parametrize("overrides, quantize, mlx_layers", [({"attention_bias": True, "mlp_bias": True}, True, False),
+                                                             ({}, False, False), ({}, True, True)],
+                         ids=["biases", "unquantized", "mlx-layers"])
+def test_projections_are_packed_only_where_one_product_stands_for_them(overrides, quantize, mlx_layers):
+    """Biased projections, float weights, and MLX's own quantized layers where this MLX does not run
+    the kernels stay one product each."""
+    model = tiny_model("llama", **overrides)
+    if quantize:
+        nn.quantize(model, group_size=32, bits=4)
+    mlx_h2o.use_cpu_layer_kernels(model, mlx_layers=mlx_layers)
+    expected = mlx_layers and cpu_layers.mlx_has_layer_kernels()
+    assert all((qkv is not None) == expected and (gate_up is not None) == expected for qkv, gate_up in _packed(model.model))
+    mlx_h2o.use_cpu_layer_kernels(model, False)
+    assert all("_packed_qkv" not in vars(b) and "_packed_gate_up" not in vars(b.mlp) for b in model.model.layers)
