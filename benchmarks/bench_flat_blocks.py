@@ -64,7 +64,7 @@ def alternate(model, prompt, spec, args, short: str, arms: dict):
     """Decode with two arms (name -> a function that switches the model to it) alternating round by
     round, the order flipped every round; print each round, then the table and the second arm's
     ratio to the first (medians) under `short`. Leaves the model on the second arm."""
-    (base, set_base), (new, set_new) = arms.items()
+    base, new = arms
     runs, tokens = {base: [], new: []}, {}
     for r in range(args.rounds):
         for name in (base, new) if r % 2 == 0 else (new, base):
@@ -73,7 +73,7 @@ def alternate(model, prompt, spec, args, short: str, arms: dict):
             runs[name].append((tok_s, build_ms))
             tokens.setdefault(name, toks)
         print(f"  round {r + 1}/{args.rounds}: {base} {runs[base][-1][0]:.1f} tok/s, {new} {runs[new][-1][0]:.1f}", flush=True)
-    set_new()
+    arms[new]()
     med = {name: float(np.median([t for t, _ in v])) for name, v in runs.items()}
     print(f"\n{spec.label}, context {args.context}, {args.steps} steps a round, {args.rounds} rounds")
     print("| arm | tok/s per round | median tok/s | median build ms |")

@@ -229,12 +229,10 @@ class PackedProjections:
         rows = [layer["weight"].shape[0] for layer in layers]
         starts = [sum(rows[:i]) for i in range(len(rows))]
         self.bounds = starts[1:]
-        self.parts = []
-        for layer, start, n in zip(layers, starts, rows):
-            views = {name: array[start : start + n] for name, array in zip(names, packed)}
-            mx.eval(list(views.values()))
-            layer.update(views)  # the layer's arrays become views of the packed buffers: the originals go
-            self.parts.append(tuple(views[name] for name in names))
+        self.parts = [tuple(array[start : start + n] for array in packed) for start, n in zip(starts, rows)]
+        mx.eval(self.parts)
+        for layer, part in zip(layers, self.parts):
+            layer.update(dict(zip(names, part)))  # the layer's arrays become views of the packed buffers: the originals go
 
     @classmethod
     def of(cls, layers) -> Optional["PackedProjections"]:
@@ -397,7 +395,8 @@ _STOCK_CLASSES = {ours: stock for stock, ours in KERNEL_CLASSES.items()}
 def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True, *, mlx_layers: bool = False) -> int:
     """Switch `model`'s nn.RMSNorm, nn.RoPE, nn.QuantizedLinear, nn.QuantizedEmbedding, SWIGLU_MLPS and
     LLAMA_BLOCKS modules to the kernel subclasses above (enabled=True) or back to their own classes
-    (enabled=False), in place; returns how many modules changed. Only this model is affected.
+    (enabled=False), in place; returns how many modules changed. Only this model is affected, except
+    that packing its projections (PackedProjections) empties MLX's buffer cache once.
     mlx_layers: keep MLX's norm, RoPE and quantized layers (the fork's MLX runs them on the kernels)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"use_cpu_layer_kernels needs an mlx.nn.Module, got {type(model).__name__}")
