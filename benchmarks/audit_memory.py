@@ -19,7 +19,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import sys
 
 MIB = 1 << 20
@@ -118,7 +117,9 @@ def rss_now_and_peak():
     """(resident, peak resident) bytes of this process."""
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from bench_peer import peak_rss_mib  # VmHWM: this process's own peak, as bench_peer's workers report
+
+    return rss, int(peak_rss_mib() * MIB)
 
 
 def malloc_trim():

@@ -5,7 +5,7 @@ cache and h2o with M = --budget, default 512); one ratio per row.
     python benchmarks/bench_peer.py [--quick] [--contexts 512 2048 8192] [--caches full h2o full:kv_dtype=float16]
         [--budget 512] [--gen 64] [--rounds 2]
         [--threads 2] [--peer-python build/venv-llamacpp/bin/python] [--ours stock=PYTHON fork=build/venv-fork/bin/python]
-        [--allocators glibc mmap] [--isas best avx2]
+        [--allocators mmap glibc] [--isas best avx2]
         [--max-load 1.0] [--allow-load]
 
 --ours names each mlx-h2o path and the python that runs it: the default is this python (stock MLX
@@ -28,14 +28,14 @@ the same token ids (the embedded SmolLM2 GGUF, `mlx_h2o.loading.default_model_pa
 from the default corpus) in 512-token prefill chunks, then greedily decodes --gen tokens. Engines
 alternate within each round and the order flips between rounds, so both see the same machine noise.
 mlx-h2o decodes with mlx-lm's own `generate_step` (what a user runs), with its defaults: the fused
-attention of its caches and the default CPU weights. Prints each round's rows, then the medians with llama.cpp's full cache as the
-reference of every row, and `uptime` before and after.
+attention of its caches, the default CPU weights, and freed large buffers returned to the system as the
+`mlx-h2o` command runs (--allocators). Prints each round's rows, then the medians with llama.cpp's full
+cache as the reference of every row, and `uptime` before and after.
 """
 
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -43,7 +43,7 @@ import time
 
 PREFILL_CHUNK = 512
 # Options of an mlx-h2o path's processes, each marking its rows with "+OPTION" after the path's name:
-MMAP_OPTION = "mmap"  # freed large buffers returned to the system (--allocators)
+GLIBC_OPTION = "glibc"  # the C allocator as it comes, not as the mlx-h2o command sets it (--allocators)
 ISA_OPTIONS = ("avx2", "portable")  # an older kernel variant than this CPU's best (--isas, MLX_H2O_KERNEL_ISA)
 DEFAULT_PEER_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "venv-llamacpp", "bin", "python")
 
@@ -69,7 +69,12 @@ def prompt_tokens(context):
 
 
 def peak_rss_mib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The worker's own peak resident memory (MiB). VmHWM, not getrusage: ru_maxrss also holds the peak
+    of the process that exec'd it, and this benchmark's parent has loaded the model (~270-330 MiB), so
+    every worker smaller than that reported the parent's peak. Rows before 2026-11-29 did; llama.cpp's
+    most of all."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def worker_peer(model_path, tokens, gen, threads):
@@ -101,7 +106,7 @@ def worker_ours(tokens, gen, spec, budget, allocator):
 
     mlx_h2o.use_openblas()  # before mlx.core loads
     if allocator == "mmap":
-        mlx_h2o.use_mmap_for_large_buffers()  # opt-in (--allocators mmap)
+        mlx_h2o.use_mmap_for_large_buffers()  # as the mlx-h2o command does (--allocators glibc: not)
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -179,7 +184,7 @@ def measure(engine, tokens, args):
     else:
         name, *options = engine.split(":")[1].split("+")
         python = args.ours[name]
-        allocator = ["--allocator", "mmap" if MMAP_OPTION in options else "glibc"]
+        allocator = ["--allocator", "glibc" if GLIBC_OPTION in options else "mmap"]
         env = with_kernel_variant(env, next((o for o in options if o in ISA_OPTIONS), "best"))
         if os.path.abspath(python) != sys.executable:  # another venv: its own installed mlx_h2o
             env.pop("PYTHONPATH", None)
@@ -204,9 +209,10 @@ def main():
                     help="mlx-h2o's caches, as policy specs (NAME[:KEY=VALUE,...]; a bounded one without a budget "
                          "gets max_kv_size=--budget), e.g. full:kv_dtype=float16")
     ap.add_argument("--budget", type=int, default=512, help="max_kv_size M of mlx-h2o's h2o cache")
-    ap.add_argument("--allocators", nargs="+", choices=["glibc", "mmap"], default=["glibc"],
-                    help="mlx-h2o's processes with the C allocator as it comes (glibc) and/or with freed large buffers "
-                         "returned to the system (mmap: mlx_h2o.use_mmap_for_large_buffers(); rows marked +mmap)")
+    ap.add_argument("--allocators", nargs="+", choices=["mmap", "glibc"], default=["mmap"],
+                    help="mlx-h2o's processes with freed large buffers returned to the system, as the mlx-h2o command "
+                         "runs (mmap: mlx_h2o.use_mmap_for_large_buffers()) and/or with the C allocator as it comes "
+                         "(glibc: rows marked +glibc)")
     ap.add_argument("--isas", nargs="+", choices=("best",) + ISA_OPTIONS, default=["best"],
                     help="mlx-h2o's kernel variants: best (the one this CPU runs) and/or an older one forced with "
                          "MLX_H2O_KERNEL_ISA (rows marked +avx2, +portable): an A/B of the kernels in one run")
@@ -217,7 +223,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="512 context, 32 tokens, 1 round")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
-    ap.add_argument("--allocator", default="glibc", help=argparse.SUPPRESS)
+    ap.add_argument("--allocator", default="mmap", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return run_worker(args)
@@ -242,7 +248,7 @@ def main():
         sys.exit(f"no llama-cpp-python at {args.peer_python}; see this file's docstring, or pass --peer-python")
     print(f"uptime before: {os.popen('uptime').read().strip()}", flush=True)
     wait_quiet(args, first=True)
-    engines = ["peer"] + [f"ours:{path}{'+' + MMAP_OPTION if a == 'mmap' else ''}{'' if isa == 'best' else '+' + isa}:{c}"
+    engines = ["peer"] + [f"ours:{path}{'+' + GLIBC_OPTION if a == 'glibc' else ''}{'' if isa == 'best' else '+' + isa}:{c}"
                           for path in args.ours for a in args.allocators for isa in args.isas for c in args.caches]
     runs = {}
     worst = (0.0, 0.0)

@@ -1,5 +1,7 @@
-"""use_mmap_for_large_buffers: freed large buffers go back to the system (glibc), opt-in only."""
+"""use_mmap_for_large_buffers: freed large buffers go back to the system (glibc). Importing mlx_h2o
+leaves the C allocator alone; the commands that own their process opt in, MLX_H2O_ALLOCATOR=glibc out."""
 
+import os
 import subprocess
 import sys
 
@@ -21,6 +23,8 @@ def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 if sys.argv[1] == "on":
     assert mlx_h2o.use_mmap_for_large_buffers() is True
+elif sys.argv[1] == "env-off":
+    assert mlx_h2o.use_mmap_for_large_buffers() is False  # MLX_H2O_ALLOCATOR=glibc
 libc.free(libc.malloc(4 << 20))
 before = rss_mib()
 blocks = [libc.malloc(2 << 20) for _ in range(20)]
@@ -36,17 +40,73 @@ print(held, rss_mib() - before)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_freed_large_buffers_leave_the_process():
-    def run(mode):
-        out = subprocess.run([sys.executable, "-c", _FREED_PAGES, mode], capture_output=True, text=True, check=True)
+    def run(mode, **env):
+        out = subprocess.run([sys.executable, "-c", _FREED_PAGES, mode], capture_output=True, text=True, check=True,
+                             env={**os.environ, **env})
         return [float(x) for x in out.stdout.split()]
 
     held, kept = run("on")
     assert held >= 38 and kept < 4, (held, kept)
     held, kept = run("off")  # glibc's own threshold: the freed buffers stay in the heap
     assert held >= 38 and kept >= 38, (held, kept)
+    held, kept = run("env-off", MLX_H2O_ALLOCATOR="glibc")  # the opt-out: the call leaves glibc's threshold
+    assert held >= 38 and kept >= 38, (held, kept)
+
+
+# What a command's process and an importing one get: (mmap threshold, the report's words).
+_COMMAND_PROCESS = """
+import sys
+import mlx_h2o
+from mlx_h2o import _allocator
+if sys.argv[1] == "command":
+    from mlx_h2o.cli import main
+    main(["options"])  # any subcommand: the process setup comes first
+elif sys.argv[1] == "run_mlx_lm":
+    import mlx_h2o.run_mlx_lm as r, runpy
+    runpy.run_module = lambda *a, **k: None  # the setup only, not mlx-lm's command
+    r.main()
+print(_allocator.mmap_threshold(), "|", _allocator.allocator_description())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+@pytest.mark.parametrize("entry", ["command", "run_mlx_lm"])
+def test_commands_opt_their_process_in_and_the_environment_opts_out(entry):
+    def run(what, **env):
+        out = subprocess.run([sys.executable, "-c", _COMMAND_PROCESS, what], capture_output=True, text=True,
+                             check=True, env={**os.environ, **env})
+        return out.stdout.strip().splitlines()[-1]
+
+    assert run("import") == "None | the C allocator's own"
+    assert run(entry) == "131072 | own maps above 128 KiB (freed to the system)"
+    assert run(entry, MLX_H2O_ALLOCATOR="glibc") == "None | the C allocator's own (MLX_H2O_ALLOCATOR=glibc)"
 
 
 def test_mmap_threshold_rejects_bad_values():
     for bad in (0, 1024, 64 << 20, 2.5, True, "128k"):
         with pytest.raises(ValueError, match="threshold must be an integer"):
             mlx_h2o.use_mmap_for_large_buffers(bad)
+
+
+_CHILD_PEAK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from mlx_h2o.evaluation.memory import _peak_rss_bytes
+from bench_peer import peak_rss_mib
+print(_peak_rss_bytes() / 2**20, peak_rss_mib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
+def test_a_child_reports_its_own_peak_not_its_parents():
+    # getrusage's ru_maxrss in a child holds the peak of the process that exec'd it: bench_peer's
+    # workers (started by a parent that loaded the model) all reported at least the parent's peak.
+    import pathlib
+
+    ballast = bytearray(600 << 20)
+    ballast[::4096] = b"\x01" * len(ballast[::4096])  # resident in this process
+    bench = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")
+    out = subprocess.run([sys.executable, "-c", _CHILD_PEAK, bench], capture_output=True, text=True, check=True)
+    del ballast
+    ours, bench_peer = (float(x) for x in out.stdout.split())
+    assert 10 < ours < 400 and 10 < bench_peer < 400, (ours, bench_peer)  # MLX's import, not the 600 MiB

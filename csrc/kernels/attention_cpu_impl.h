@@ -550,11 +550,12 @@ static void run_attention(const AttentionProblem& p) {
     for (int64_t i = 0, n = static_cast<int64_t>(p.B) * p.Hkv * p.N; i < n; ++i) p.scores[i] = 0.0f;
 
   const int64_t wave_rows = static_cast<int64_t>(pl.wave_blocks) * Rmax;
-  FloatBuffer logit_scratch(mass ? wave_rows * p.N : 0);
+  // Kept between calls: a prefill's layers ask for the same sizes chunk after chunk.
+  KeptFloats<0> logit_scratch(mass ? wave_rows * p.N : 0);
   // Partials per (block in wave, split): m[R], l[R], acc[R x Dvp].
   const int64_t part_stride = static_cast<int64_t>(Rmax) * (2 + pl.Dvp);
-  FloatBuffer partials(static_cast<int64_t>(pl.wave_blocks) * S * part_stride);
-  FloatBuffer finals(2 * wave_rows);  // final m, l per row of the wave
+  KeptFloats<1> partials(static_cast<int64_t>(pl.wave_blocks) * S * part_stride);
+  KeptFloats<2> finals(2 * wave_rows);  // final m, l per row of the wave
   const int64_t work_floats = attend_work_floats(pl, Rmax);
 
   for (int w0 = 0; w0 < pl.n_blocks; w0 += pl.wave_blocks) {

@@ -10,13 +10,18 @@ docs/cpu-decode.md "Memory: every buffer above 1 MiB"). `use_mmap_for_large_buff
 threshold, so every buffer above it is its own mapping again and goes back to the system when MLX
 frees it.
 
-The price: every large allocation that misses MLX's buffer cache then maps and faults in fresh
-pages (an h2o prefill, whose attention takes up to 32 MiB of scratch per call, ran ~15 % slower).
-It changes the C allocator for the whole process, so it is opt-in, and the `mlx-h2o` command does not
-call it; importing mlx_h2o does not either. This module must not import MLX.
+The price was a prefill's: every large allocation that misses MLX's buffer cache maps and faults in
+fresh pages, and an h2o prefill's attention took up to 32 MiB of scratch per call (~15 % slower).
+The kernels now keep that scratch from one call to the next (csrc/kernels/work.h, KeptFloats).
+
+It changes the C allocator for the whole process, so importing mlx_h2o does not call it: the
+commands that own their process do (`mlx-h2o`, `python -m mlx_h2o.run_mlx_lm`), as they opt in to
+OpenBLAS. MLX_H2O_ALLOCATOR=glibc in the environment keeps the C allocator as it comes. This module
+must not import MLX.
 """
 
 import ctypes
+import os
 import sys
 
 DEFAULT_THRESHOLD = 128 * 1024  # glibc's own starting threshold, kept fixed
@@ -29,10 +34,10 @@ _state = {"threshold": None}
 def use_mmap_for_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
     """Serve every allocation of more than `threshold` bytes (4 KiB to 32 MiB) from its own memory
     map for the rest of this process, so that freed buffers go back to the system instead of staying
-    in the heap. Returns whether it took effect (glibc on Linux only)."""
+    in the heap. Returns whether it took effect (glibc on Linux, unless MLX_H2O_ALLOCATOR=glibc)."""
     if isinstance(threshold, bool) or not isinstance(threshold, int) or not 4096 <= threshold <= MAX_THRESHOLD:
         raise ValueError(f"threshold must be an integer number of bytes from 4096 to {MAX_THRESHOLD}, got {threshold!r}")
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or os.environ.get("MLX_H2O_ALLOCATOR") == "glibc":
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt  # glibc (musl has no mallopt parameters)
@@ -48,3 +53,13 @@ def use_mmap_for_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
 def mmap_threshold():
     """The threshold `use_mmap_for_large_buffers` fixed in this process, or None (the C allocator's own)."""
     return _state["threshold"]
+
+
+def allocator_description() -> str:
+    """What this process's large buffers come from, for the commands' one-line report."""
+    threshold = _state["threshold"]
+    if threshold is not None:
+        return f"own maps above {threshold // 1024} KiB (freed to the system)"
+    if os.environ.get("MLX_H2O_ALLOCATOR") == "glibc":
+        return "the C allocator's own (MLX_H2O_ALLOCATOR=glibc)"
+    return "the C allocator's own"

@@ -18,6 +18,7 @@ import sys
 
 import mlx_h2o
 
+from .._allocator import use_mmap_for_large_buffers
 from .._blas import use_openblas
 from .flags import (DEFAULT_POLICIES, RECALL_MAX_KV_SIZE, _data_parent, _Deprecated, _epilog, _kv_parent, _model_parent,
                     _positive_int, _prefill_step_parent, _sweep_parent)
@@ -136,9 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    # The command opts its own process in to OpenBLAS matmuls before anything loads MLX (importing the
-    # package does not); each model command prints the BLAS in use. MLX_H2O_BLAS=reference opts out.
+    # The command opts its own process in to OpenBLAS matmuls before anything loads MLX, and to freed
+    # large buffers going back to the system (importing the package does neither); the generate
+    # command prints both. MLX_H2O_BLAS=reference and MLX_H2O_ALLOCATOR=glibc opt out.
     use_openblas()
+    use_mmap_for_large_buffers()
     args = build_parser().parse_args(argv)
     from .. import hook  # (after use_openblas: it loads MLX)
 

@@ -4,6 +4,7 @@ import sys
 
 import mlx_h2o
 
+from .._allocator import allocator_description
 from .model import _attention_desc, _layers_desc, _load
 from .specs import _command_specs
 
@@ -65,5 +66,6 @@ def cmd_generate(args) -> int:
     print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec", file=sys.stderr)
     print(f"Peak memory: {response.peak_memory:.3f} GB", file=sys.stderr)
     print(f"KV cache ({spec.policy}): {tokens} tokens per layer, {kv / 2**20:.2f} MiB in {len(cache)} layers", file=sys.stderr)
-    print(f"BLAS: {mlx_h2o.blas_backend()}; attention: {_attention_desc()}; layers: {_layers_desc(model)}", file=sys.stderr)
+    print(f"BLAS: {mlx_h2o.blas_backend()}; attention: {_attention_desc()}; layers: {_layers_desc(model)}; "
+          f"large buffers: {allocator_description()}", file=sys.stderr)
     return 0
