@@ -31,13 +31,18 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 _state = {"threshold": None}
 
 
+def _opted_out() -> bool:
+    """MLX_H2O_ALLOCATOR=glibc: keep the C allocator as it comes, whoever calls for the threshold."""
+    return os.environ.get("MLX_H2O_ALLOCATOR") == "glibc"
+
+
 def use_mmap_for_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
     """Serve every allocation of more than `threshold` bytes (4 KiB to 32 MiB) from its own memory
     map for the rest of this process, so that freed buffers go back to the system instead of staying
     in the heap. Returns whether it took effect (glibc on Linux, unless MLX_H2O_ALLOCATOR=glibc)."""
     if isinstance(threshold, bool) or not isinstance(threshold, int) or not 4096 <= threshold <= MAX_THRESHOLD:
         raise ValueError(f"threshold must be an integer number of bytes from 4096 to {MAX_THRESHOLD}, got {threshold!r}")
-    if not sys.platform.startswith("linux") or os.environ.get("MLX_H2O_ALLOCATOR") == "glibc":
+    if not sys.platform.startswith("linux") or _opted_out():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt  # glibc (musl has no mallopt parameters)
@@ -60,6 +65,6 @@ def allocator_description() -> str:
     threshold = _state["threshold"]
     if threshold is not None:
         return f"own maps above {threshold // 1024} KiB (freed to the system)"
-    if os.environ.get("MLX_H2O_ALLOCATOR") == "glibc":
+    if _opted_out():
         return "the C allocator's own (MLX_H2O_ALLOCATOR=glibc)"
     return "the C allocator's own"
