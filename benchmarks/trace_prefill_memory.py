@@ -1,6 +1,8 @@
 """Where a prefill chunk's transient memory comes from: MLX's peak above its active memory for one
 layer's attention and MLP evaluated alone, against the whole chunk's lazy graph evaluated at once (as
-mlx-lm's generate_step does). The embedded model, the first --tokens of bench_peer's prompt, a full cache.
+mlx-lm's generate_step does, and its caches leave it) and layer by layer (as mlx-h2o's caches evaluate
+it, caches/base.py's LayerByLayerPrefill). The embedded model, the first --tokens of bench_peer's
+prompt, a full cache.
 
     python benchmarks/trace_prefill_memory.py [--tokens 511] [--layers 3]
 
@@ -50,11 +52,19 @@ def main():
         mx.eval(x)
         print(f"layer {i}: attention +{attention:.1f} MiB, MLP +{mlp:.1f} MiB")
 
-    cache = mlx_h2o.make_cache(model, "full")
-    base = mx.get_active_memory()
-    _, whole = peak_above_active(lambda: (model(tokens, cache=cache), [c.state for c in cache])[1])
-    print(f"the whole chunk's graph (cache states evaluated): +{whole:.1f} MiB at its peak, "
-          f"+{(mx.get_active_memory() - base) / 2**20:.1f} MiB kept (the K/V)")
+    from mlx_h2o.caches import base as caches_base
+
+    evaluated_from = caches_base.PREFILL_EVAL_ROWS
+    for how, rows in (("all at once, as mlx-lm's caches leave it", 1 << 30), ("layer by layer, as mlx-h2o's caches do", evaluated_from)):
+        caches_base.PREFILL_EVAL_ROWS = rows
+        cache = mlx_h2o.make_cache(model, "full")
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        _, whole = peak_above_active(lambda: (model(tokens, cache=cache), [c.state for c in cache])[1])
+        print(f"the whole chunk's graph (cache states evaluated) {how}: +{whole:.1f} MiB at its peak, "
+              f"+{(mx.get_active_memory() - base) / 2**20:.1f} MiB kept (the K/V)")
+        del cache
+    caches_base.PREFILL_EVAL_ROWS = evaluated_from
 
 
 if __name__ == "__main__":

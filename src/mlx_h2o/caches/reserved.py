@@ -18,12 +18,12 @@ from ..options import Int, Option, Policy
 from ..storage import ReservedBuffer, check_capacity
 from ..storage.reserved import MAX_POSITIONS
 from . import per_layer_caches, register_policy
-from .base import SavedCache
+from .base import FusedAttention, SavedCache
 
 
-class ReservedKVCache(SavedCache):
+class ReservedKVCache(FusedAttention, SavedCache):
     """A full (lossless) KV cache whose keys and values live in reserved buffers of
-    `max_context` positions, written in place."""
+    `max_context` positions, written in place; it attends as the full cache does (FusedAttention)."""
 
     def __init__(self, max_context: int):
         self.max_context = check_capacity(max_context, "max_context")
