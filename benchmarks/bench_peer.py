@@ -22,6 +22,12 @@ measurement it samples /proc/stat for a second and waits while other processes k
 llama-cpp-python is an optional benchmark dependency, never a test dependency; install it in its own
 venv (it compiles llama.cpp, natively for this CPU, on install):
     python3 -m venv build/venv-llamacpp && build/venv-llamacpp/bin/pip install llama-cpp-python
+On a CPU that reports AMX where the VM does not grant it (the peer's worker dies in libggml-cpu with a
+general protection fault), build it without AMX and with the rest of the native set, e.g. on an
+AVX512 Xeon:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON
+      -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF
+      -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" build/venv-llamacpp/bin/pip install --no-cache-dir llama-cpp-python
 
 Every measurement is a fresh process (so peak RSS is that engine's alone): it loads the model, feeds
 the same token ids (the embedded SmolLM2 GGUF, `mlx_h2o.loading.default_model_path()`, real English
@@ -192,7 +198,9 @@ def measure(engine, tokens, args):
            "--model-path", args.model_path, "--budget", str(args.budget), *allocator]
     r = subprocess.run(cmd, input=json.dumps(tokens), capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        raise RuntimeError(f"{engine} worker failed:\n{r.stderr[-3000:]}")
+        how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit status {r.returncode}"
+        hint = " (llama.cpp: see this file's docstring on AMX)" if engine == "peer" and r.returncode < 0 else ""
+        raise RuntimeError(f"{engine} worker failed, {how}{hint}:\n{r.stderr[-3000:]}")
     res = json.loads(r.stdout.strip().splitlines()[-1])
     res["prefill_tok_s"] = len(tokens) / res["prefill_s"]
     res["decode_tok_s"] = (args.gen - 1) / res["decode_s"]
