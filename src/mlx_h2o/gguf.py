@@ -9,8 +9,8 @@ the tensors so far plus one.
 
 The conversion is MLX's (mlx/io/gguf_quants.cpp): Q4_0, Q4_1 and Q8_0 blocks of 32 become MLX's
 affine triplets (`name.weight` packed uint32, `name.scales` and `name.biases` float16, group size 32),
-F32 and F16 stay as they are. `readable(path)` says whether a file holds only those types; others
-(K-quants, which MLX widens to float16) are for `mx.load`.
+F32 and F16 stay as they are. `GGUFFile.readable()` says whether a file holds only those types;
+others (K-quants, which MLX widens to float16) are for `mx.load`.
 """
 
 import mmap
@@ -24,10 +24,15 @@ import numpy as np
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 _BLOCK = 32  # weights per block in Q4_0 / Q4_1 / Q8_0
-# GGML tensor types this reader converts -> (bytes per block of _BLOCK, or None for plain element types).
+# GGML tensor types this reader converts: the block types -> bytes per block of _BLOCK, the plain ones
+# -> their element type.
 F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 _PLAIN = {F32: np.float32, F16: np.float16}
+
+
+def _converts(ggml_type: int) -> bool:
+    return ggml_type in _PLAIN or ggml_type in _BLOCK_BYTES
 # Metadata value types (gguf's GGUF_VALUE_TYPE_*) -> struct format; 8 = string, 9 = array.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -112,11 +117,11 @@ class GGUFFile:
 
     def readable(self) -> bool:
         """Whether every tensor is of a type this reader converts (else: mx.load)."""
-        return all(t.ggml_type in _PLAIN or t.ggml_type in _BLOCK_BYTES for t in self.tensors.values())
+        return all(_converts(t.ggml_type) for t in self.tensors.values())
 
     def nbytes(self, info: TensorInfo) -> int:
         """Bytes of the tensor in the file (of a type this reader converts)."""
-        if info.ggml_type not in _PLAIN and info.ggml_type not in _BLOCK_BYTES:
+        if not _converts(info.ggml_type):
             raise ValueError(f"{self.path}: tensor {info.name!r} has GGML type {info.ggml_type}, which this reader does not convert")
         n = int(np.prod(info.shape, dtype=np.int64))
         if info.ggml_type in _PLAIN:

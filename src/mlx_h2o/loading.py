@@ -63,11 +63,6 @@ def default_model_path() -> Path:
     )
 
 
-def _meta_value(meta, key, default=None):
-    v = meta.get(key, default)
-    return v.item() if isinstance(v, mx.array) else v
-
-
 def _unpermute_rope_rows(x: mx.array, n_heads: int) -> mx.array:
     """Invert llama.cpp's `permute`: rows (head, half, pair) -> (head, pair, half)."""
     rows = x.shape[0]
@@ -84,7 +79,7 @@ def _build_tokenizer(meta):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    if _meta_value(meta, "tokenizer.ggml.model") != "gpt2":
+    if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ValueError("only GGUF files with a byte-level BPE ('gpt2') tokenizer are supported")
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
@@ -103,7 +98,7 @@ def _build_tokenizer(meta):
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(token_type) if t == 3])
 
     def tok_name(key):
-        i = _meta_value(meta, key)
+        i = meta.get(key)
         return tokens[i] if i is not None else None
 
     hf = PreTrainedTokenizerFast(
@@ -135,7 +130,7 @@ def load_gguf(path, weights: Optional[str] = None) -> Tuple[nn.Module, object]:
         raise FileNotFoundError(f"GGUF file not found: {path}")
     gguf = GGUFFile(path)
     meta = gguf.metadata
-    arch = _meta_value(meta, "general.architecture")
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"only llama-architecture GGUF files are supported, got {arch!r}")
     # The tokenizer first: building it takes ~45 MiB for a moment, best spent before the weights.
@@ -147,7 +142,7 @@ def load_gguf(path, weights: Optional[str] = None) -> Tuple[nn.Module, object]:
         tensors = mx.load(str(path))
 
     def hp(key):
-        return _meta_value(meta, f"llama.{key}")
+        return meta.get(f"llama.{key}")
 
     n_heads, n_kv = hp("attention.head_count"), hp("attention.head_count_kv")
     tied = "output.weight" not in tensors
