@@ -111,6 +111,8 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none(), "mx.fast.rope with an integer offset as one CPU kernel (Python API: mlx_h2o.rope).");
   m.def("swiglu", &mlx_h2o::swiglu, "gate"_a, "up"_a, "stream"_a = nb::none(),
         "gate * sigmoid(gate) * up (mlx-lm's swiglu) as one CPU kernel (Python API: mlx_h2o.swiglu).");
+  m.def("swiglu_halves", &mlx_h2o::swiglu_halves, "x"_a, "stream"_a = nb::none(),
+        "swiglu of the halves of x's last axis, gate then up (a packed gate/up product), as one CPU kernel.");
   m.def("logsumexp_last_axis", &mlx_h2o::logsumexp_last_axis, "x"_a, "stream"_a = nb::none(),
         "mx.logsumexp(x, axis=-1) as one CPU kernel (the fork's MLX runs it for mx.logsumexp).");
   m.def("attention_int8_queries", &mlx_h2o::attention_int8_queries,

@@ -18,18 +18,28 @@ namespace mx = mlx::core;
 /** gate * sigmoid(gate) * up: gate and up of one shape and one float dtype; the result has both. */
 mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
 
+/** swiglu of the halves of x's last axis, gate then up (a packed gate/up product), without taking
+ *  them apart first: x of a float dtype with an even, non-zero last axis; the result has half of it. */
+mx::array swiglu_halves(const mx::array& x, mx::StreamOrDevice s = {});
+
 /** mx.logsumexp(x, axis=-1): x a float array with a non-empty last axis. */
 mx::array logsumexp_last_axis(const mx::array& x, mx::StreamOrDevice s = {});
 
+/** inputs: (gate, up), or (x) with gate and up the halves of x's last axis (`halves`). */
 class SwiGLUCPU : public ComposedPrimitive {
  public:
-  explicit SwiGLUCPU(mx::Stream stream) : ComposedPrimitive(stream) {}
+  explicit SwiGLUCPU(mx::Stream stream, bool halves = false) : ComposedPrimitive(stream), halves_(halves) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
   const char* name() const override { return "SwiGLUCPU"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return halves_ == static_cast<const SwiGLUCPU&>(other).halves_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  bool halves_;
 };
 
 class LogSumExpCPU : public ComposedPrimitive {

@@ -114,6 +114,9 @@ class ThreadPool {
   }
 
   void work_loop() {
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "mlx_h2o pool");  // 15 characters at most
+#endif
     unsigned long seen = generation_.load();
     for (;;) {
       // Spin a while before sleeping: kernels come in bursts (phases of one call, the layers of one

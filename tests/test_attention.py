@@ -81,6 +81,29 @@ def test_non_contiguous_inputs():
     check(q, k, v, D**-0.5, mask)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mask_kind", [None, "causal", "bool"])
+def test_leading_rows_read_in_place(dtype, mask_kind):
+    """`rows=n` reads the first n rows of a buffer with spare room (a cache's): the float64 reference
+    over those rows, and bit for bit the call on the slice."""
+    rng = np.random.default_rng(13)
+    B, Hq, Hkv, L, N, D = 2, 6, 2, 3, 150, 64
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, N + 40, D, DTYPES[dtype])  # 40 rows past the ones in use: random, never read
+    mask = random_mask(rng, "bool", B, Hq, L, N) if mask_kind == "bool" else mask_kind
+    in_place = lambda q, k, v, **kw: sdpa(q, k, v, rows=N, **kw)  # noqa: E731
+    mass = check(q, k, v, D**-0.5, mask, fn=in_place, ref_kv=(k[:, :, :N], v[:, :, :N]))
+    assert mass.shape == (B, Hkv, N)
+    for a, b in zip(sdpa(q, k, v, scale=D**-0.5, mask=mask, rows=N), sdpa(q, k[:, :, :N], v[:, :, :N], scale=D**-0.5, mask=mask)):
+        np.testing.assert_array_equal(_f64(a), _f64(b))
+
+
+@pytest.mark.parametrize("rows", [-1, 191, 1.5, True])
+def test_bad_leading_rows(rows):
+    q, k, v = make_inputs(np.random.default_rng(0), 1, 2, 1, 1, 190, 64, mx.float32)
+    with pytest.raises(ValueError, match="rows"):
+        mx.eval(sdpa(q, k, v, scale=0.125, rows=rows))
+
+
 def test_value_head_dim_may_differ():
     """MLA (deepseek_v3) attends with 192-dim keys and 128-dim values."""
     rng = np.random.default_rng(5)

@@ -229,3 +229,41 @@ def test_projections_are_packed_only_where_one_product_stands_for_them(overrides
     assert all((qkv is not None) == expected and (gate_up is not None) == expected for qkv, gate_up in _packed(model.model))
     mlx_h2o.use_cpu_layer_kernels(model, False)
     assert all("_packed_qkv" not in vars(b) and "_packed_gate_up" not in vars(b.mlp) for b in model.model.layers)
+
+
+def _step_primitives(model, cache):
+    """The primitives of one decode step's graph, by the labels of MLX's DOT export."""
+    import collections
+    import re
+    import tempfile
+
+    out = model(mx.array([[3]]), cache=cache)
+    with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
+        mx.export_to_dot(f.name, out)
+        f.seek(0)
+        labels = re.findall(r'label ="([^"]+)", shape=rectangle', f.read())
+    mx.eval(out)
+    return collections.Counter(labels)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float16"])
+@pytest.mark.parametrize("mlx_layers", [False, True], ids=["kernel-layers", "mlx-layers"])
+def test_a_decode_step_rotates_q_and_k_at_once_and_reads_the_full_cache_in_place(kv_dtype, mlx_layers):
+    """Each primitive costs ~8 µs of a 2-core decode step (docs/cpu-decode.md): with q/k/v packed, a
+    layer rotates its queries and keys in one RoPE call, the swiglu kernel reads the packed gate/up
+    product as it is, and the full cache's rows reach the fused kernel as its buffers, not as slices
+    of them (the fork's MLX SDPA, for rows in the queries' dtype, takes them sliced)."""
+    if mlx_layers and not cpu_layers.mlx_has_layer_kernels():
+        pytest.skip("this MLX's quantized_matmul is not the kernel: MLX's layers are not packed")
+    model = tiny_model("llama", hidden_size=128)
+    nn.quantize(model, group_size=32, bits=4)
+    mlx_h2o.use_cpu_layer_kernels(model, mlx_layers=mlx_layers)
+    assert all(qkv is not None for qkv, _ in _packed(model.model))
+    cache = mlx_h2o.make_cache(model, "full", **({"kv_dtype": kv_dtype} if kv_dtype else {}))
+    mx.eval(model(mx.array([list(range(1, 11))]), cache=cache))
+    counts = _step_primitives(model, cache)
+    layers = len(model.layers)
+    assert sum(n for name, n in counts.items() if "RoPE" in name) == layers
+    assert counts["Split"] == 2 * layers  # q/k from v, then q from k: gate and up reach the swiglu kernel unsplit
+    sliced = mlx_h2o.hook._MLX_SDPA_IS_FUSED and kv_dtype is None
+    assert counts["Slice"] == (2 * layers if sliced else 0)

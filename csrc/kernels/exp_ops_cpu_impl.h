@@ -21,20 +21,23 @@ static inline v8f silu_times(v8f g, v8f u) {
 template <class Elem>
 static void run_swiglu(const SwiGLUProblem& p) {
   using S = typename Elem::Storage;
-  const S* g = static_cast<const S*>(p.gate);
-  const S* u = static_cast<const S*>(p.up);
-  int64_t i = 0;
-  if (p.type == ElemType::float32) {
-    float* out = static_cast<float*>(p.out);
-    for (; i + 8 <= p.n; i += 8) store8(out + i, silu_times(Elem::load8(g + i), Elem::load8(u + i)));
-  } else {
-    alignas(32) float r[8];
-    for (; i + 8 <= p.n; i += 8) {
-      store8(r, silu_times(Elem::load8(g + i), Elem::load8(u + i)));
-      for (int j = 0; j < 8; ++j) store_scalar(p.out, p.type, i + j, r[j]);
+  for (int64_t row = 0; row < p.rows; ++row) {
+    const S* g = static_cast<const S*>(p.gate) + row * p.ld;
+    const S* u = static_cast<const S*>(p.up) + row * p.ld;
+    const int64_t o = row * p.n;  // the row's first output
+    int64_t i = 0;
+    if (p.type == ElemType::float32) {
+      float* out = static_cast<float*>(p.out) + o;
+      for (; i + 8 <= p.n; i += 8) store8(out + i, silu_times(Elem::load8(g + i), Elem::load8(u + i)));
+    } else {
+      alignas(32) float r[8];
+      for (; i + 8 <= p.n; i += 8) {
+        store8(r, silu_times(Elem::load8(g + i), Elem::load8(u + i)));
+        for (int j = 0; j < 8; ++j) store_scalar(p.out, p.type, o + i + j, r[j]);
+      }
     }
+    for (; i < p.n; ++i) store_scalar(p.out, p.type, o + i, silu_times(splat(Elem::load1(g + i)), splat(Elem::load1(u + i)))[0]);
   }
-  for (; i < p.n; ++i) store_scalar(p.out, p.type, i, silu_times(splat(Elem::load1(g + i)), splat(Elem::load1(u + i)))[0]);
 }
 
 template <class Elem>

@@ -13,10 +13,11 @@
 
 namespace mlx_h2o {
 
-/** out[i] = gate[i] * sigmoid(gate[i]) * up[i] for i < n, computed in float32 and rounded once.
- *  gate, up and out are contiguous and of one dtype. */
+/** out[r * n + i] = g * sigmoid(g) * u with g = gate[r * ld + i], u = up[r * ld + i], for r < rows and
+ *  i < n, computed in float32 and rounded once. gate, up and out are of one dtype; a row of each is
+ *  contiguous (one row of n: plain arrays; ld = 2n, up = gate + n: the halves of a packed product). */
 struct SwiGLUProblem {
-  int64_t n = 0;
+  int64_t rows = 1, n = 0, ld = 0;
   const void* gate = nullptr;
   const void* up = nullptr;
   ElemType type = ElemType::float32;

@@ -105,6 +105,7 @@ def scaled_dot_product_attention_with_scores(
     mask: Optional[Union[str, mx.array]] = None,
     scores: Optional[str] = "mass",
     sinks: Optional[mx.array] = None,
+    rows: Optional[int] = None,
     stream=None,
 ) -> Tuple[mx.array, Optional[mx.array]]:
     """Attention output plus the attention each cached position received.
@@ -118,12 +119,17 @@ def scaled_dot_product_attention_with_scores(
     "logits" -> (B, Hq, L, N) float32 masked pre-softmax logits (q.k * scale + additive mask,
     -inf where masked); None -> no scores (plain fused attention).
     sinks: optional (Hq,) sink logits (gpt-oss): an extra softmax column with no value and no score.
+    rows: read only the first `rows` positions of k and v (N = rows), in place: a cache's buffers
+    with spare room, without a slice of them in the graph.
     Returns (out, scores).
     """
     if not isinstance(k, mx.array) or not isinstance(v, mx.array):
         _native_args(mask, scores, sinks)  # argument errors first, as for every op
         raise ValueError("k and v must be mx.arrays (for packed K/V use quantized_scaled_dot_product_attention_with_scores)")
-    return _attend(q, [([k], 0, 0, -1, [v], 0, 0, -1)], scale, mask, scores, sinks, False, stream)
+    n = -1 if rows is None else _check_int(rows, "rows")
+    if rows is not None and n < 0:
+        raise ValueError(f"rows must be None (all) or at least 0, got {rows}")
+    return _attend(q, [([k], 0, 0, n, [v], 0, 0, n)], scale, mask, scores, sinks, False, stream)
 
 
 def quantized_scaled_dot_product_attention_with_scores(

@@ -226,7 +226,7 @@ class PackedProjections:
         packed = [mx.concatenate([layer[name] for layer in layers]) for name in names]
         mx.eval(packed)
         self.weight, self.scales, self.biases = packed
-        rows = [layer["weight"].shape[0] for layer in layers]
+        self.rows = rows = [layer["weight"].shape[0] for layer in layers]  # each layer's output columns
         starts = [sum(rows[:i]) for i in range(len(rows))]
         self.bounds = starts[1:]
         self.parts = [tuple(array[start : start + n] for array in packed) for start, n in zip(starts, rows)]
@@ -254,12 +254,14 @@ class PackedProjections:
                 return False
         return True
 
-    def __call__(self, x):
+    def product(self, x):
+        """The packed product: every layer's output, in layer order along the last axis."""
         if self.our_layers:
-            y = _ext.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, KERNEL_MAX_ROWS, None)
-        else:
-            y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits)
-        return mx.split(y, self.bounds, axis=-1)
+            return _ext.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, KERNEL_MAX_ROWS, None)
+        return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits)
+
+    def __call__(self, x):
+        return mx.split(self.product(x), self.bounds, axis=-1)
 
 
 def _packed(owner, name: str, x, *layers) -> Optional[PackedProjections]:
@@ -321,6 +323,8 @@ def _swiglu_mlp(mlp, x):
     """A KernelSwiGLU MLP's call on a CPU stream."""
     gate_proj, up_proj = mlp["gate_proj"], mlp["up_proj"]
     packed = _packed(mlp, "_packed_gate_up", x, gate_proj, up_proj)
+    if packed and packed.rows[0] == packed.rows[1]:  # the kernel reads gate and up in place: no split in the graph
+        return _linear(mlp["down_proj"], _ext.swiglu_halves(packed.product(x), None))
     gate, up = packed(x) if packed else (_linear(gate_proj, x), _linear(up_proj, x))
     if gate.dtype != up.dtype or gate.shape != up.shape:  # the kernel's domain; mlx-lm's own otherwise
         from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
@@ -348,6 +352,29 @@ class FlatLlamaBlock:
         h = _norm(self["input_layernorm"], x)
         q_proj, k_proj, v_proj = attn["q_proj"], attn["k_proj"], attn["v_proj"]
         packed = _packed(self, "_packed_qkv", h, q_proj, k_proj, v_proj)
+        rope = attn["rope"]
+        d = packed.rows[0] // attn.n_heads if packed else 0  # the head dimension
+        if L == 1 and cache is not None and packed and packed.rows == [attn.n_heads * d, attn.n_kv_heads * d, attn.n_kv_heads * d]:
+            # A decode step, q/k/v packed: (B, 1, heads * D) is (B, heads, 1, D) in the same order. q and k
+            # are rotated by one RoPE call over their heads together (the same position, so the same
+            # angles and bits): 4 primitives (a reshape, two splits, a RoPE) where there were 6 (a
+            # split, 3 reshapes, 2 RoPEs); each costs ~8 µs of a 2-core decode step (docs/cpu-decode.md).
+            rotated, values = mx.split(packed.product(h).reshape(B, -1, 1, d), [attn.n_heads + attn.n_kv_heads], axis=1)
+            queries, keys = mx.split(_rope(rope, rotated, cache.offset), [attn.n_heads], axis=1)
+            keys, values = cache.update_and_fetch(keys, values)
+        else:
+            queries, keys, values = self._projected(attn, packed, h, rope, cache)
+        out = llama.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+        h = x + _linear(attn["o_proj"], out.reshape(B, 1, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        normed = _norm(self["post_attention_layernorm"], h)
+        return h + (_swiglu_mlp(mlp, normed) if isinstance(mlp, KernelSwiGLU) else mlp(normed))
+
+    @staticmethod
+    def _projected(attn, packed, h, rope, cache):
+        """Queries, keys and values of the attention's input h: rotated, and the keys and values through
+        the cache."""
+        q_proj, k_proj, v_proj = attn["q_proj"], attn["k_proj"], attn["v_proj"]
+        B, L, _ = h.shape
         queries, keys, values = packed(h) if packed else (_linear(q_proj, h), _linear(k_proj, h), _linear(v_proj, h))
         if L == 1:  # a decode step: (B, 1, heads, D) transposed holds (B, heads, 1, D) in the same order, one op fewer
             queries = queries.reshape(B, attn.n_heads, 1, -1)
@@ -356,17 +383,12 @@ class FlatLlamaBlock:
             queries = queries.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
             keys = keys.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
             values = values.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        rope = attn["rope"]
-        if cache is not None:
-            offset = cache.offset
-            queries, keys = _rope(rope, queries, offset), _rope(rope, keys, offset)
-            keys, values = cache.update_and_fetch(keys, values)
-        else:
-            queries, keys = rope(queries), rope(keys)
-        out = llama.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
-        h = x + _linear(attn["o_proj"], out.reshape(B, 1, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        normed = _norm(self["post_attention_layernorm"], h)
-        return h + (_swiglu_mlp(mlp, normed) if isinstance(mlp, KernelSwiGLU) else mlp(normed))
+        if cache is None:
+            return rope(queries), rope(keys), values
+        offset = cache.offset
+        queries, keys = _rope(rope, queries, offset), _rope(rope, keys, offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        return queries, keys, values
 
 
 _flat_blocks = {}

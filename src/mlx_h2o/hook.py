@@ -59,18 +59,23 @@ def fused_attention(queries, keys, values, cache, scale, mask, sinks=None):
         return quantized_scaled_dot_product_attention_with_scores(
             queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks, bits=cache.bits, group_size=cache.group_size
         )[0]
-    return fused_dense_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    held = cache.held_rows(keys, values) if hasattr(cache, "held_rows") else None
+    return fused_dense_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks, held=held)
 
 
-def fused_dense_attention(queries, keys, values, *, scale, mask, sinks=None):
+def fused_dense_attention(queries, keys, values, *, scale, mask, sinks=None, held=None):
     """The fused kernel over dense K/V, without scores. The fork's MLX runs it as its own SDPA (patch
     0009, which every MLX with the attention ops has): one C++ call, where the op's Python wrapper
     cost the fork's `--kv-policy full` ~10 % of a batched decode step (docs/mlx-lm.md). Rows stored
     in another dtype than the queries (`kv_dtype`) go to the op, which reads them as they are: MLX's
-    SDPA would first cast them to the queries' dtype, a copy of the cache per call."""
+    SDPA would first cast them to the queries' dtype, a copy of the cache per call.
+    held: (K buffer, V buffer, rows) of which keys and values are the first `rows` rows (a cache's,
+    `held_rows`): the op reads the buffers in place, so the slices of them stay out of the graph (two
+    primitives a layer, each ~8 µs of a 2-core decode step: docs/cpu-decode.md)."""
     if _MLX_SDPA_IS_FUSED and keys.dtype == queries.dtype:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    return scaled_dot_product_attention_with_scores(queries, keys, values, scale=scale, mask=mask, scores=None, sinks=sinks)[0]
+    k, v, rows = held if held is not None else (keys, values, None)
+    return scaled_dot_product_attention_with_scores(queries, k, v, scale=scale, mask=mask, scores=None, sinks=sinks, rows=rows)[0]
 
 
 class _AttendProbe:

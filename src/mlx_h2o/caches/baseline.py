@@ -60,6 +60,14 @@ class FusedKVCache(FusedAttention, StoredDtype, lm_cache.KVCache):
         self._fetched_id = fetched_ids(fetched)
         return fetched
 
+    def held_rows(self, keys, values):
+        """(K buffer, V buffer, rows) where keys and values are what update_and_fetch returned: views of
+        the buffers' first `offset` rows, which the fused kernel reads in place (hook.fused_attention).
+        None for anything else."""
+        if self.keys is None or not handed_on(self._fetched_id, keys, values):
+            return None
+        return self.keys, self.values, self.offset
+
     def trim(self, n):
         self._shared = None
         return super().trim(n)
