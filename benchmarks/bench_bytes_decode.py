@@ -26,21 +26,10 @@ sees.
 import argparse
 import collections
 import os
-import re
 import statistics
-import tempfile
 import time
 
 from bench_peer import add_quiet_arguments, wait_quiet
-
-
-def primitives(mx, out) -> collections.Counter:
-    """The primitives of the graph that computes `out`, by kind."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "step.dot")
-        mx.export_to_dot(path, out)
-        with open(path, encoding="utf-8") as f:
-            return collections.Counter(re.findall(r'label ="([A-Za-z]\w*)"', f.read()))
 
 
 def kernel_times(mx, rows: int, heads: int, kv_heads: int, head_dim: int, rounds: int = 5, reps: int = 200) -> dict:
@@ -114,6 +103,7 @@ def main(argv=None):
     import mlx.core as mx
 
     from mlx_h2o.evaluation.demo import CHUNK, DEMO_CACHES
+    from mlx_h2o.evaluation.speed import graph_primitives
     from mlx_h2o.evaluation.suite import equal_byte_specs, parse_caches
 
     extra = parse_caches(args.cache)  # (a bad spec fails before the model loads)
@@ -138,7 +128,7 @@ def main(argv=None):
             out = model(y[name], cache=cache)
             t1 = time.perf_counter()
             if step == 2:  # a step that is neither the first nor a compaction
-                counts[name] = primitives(mx, out)
+                counts[name] = graph_primitives(out)
             y[name] = mx.argmax(out[:, -1:], axis=-1)
             mx.eval(y[name])
             build[name].append((t1 - t0) * 1e3)

@@ -17,10 +17,7 @@ table: timings on a shared machine are provisional.
 """
 
 import argparse
-import collections
 import os
-import re
-import tempfile
 import time
 
 import mlx_h2o  # isort: skip
@@ -34,6 +31,7 @@ import numpy as np
 from mlx_h2o import cpu_layers, hook
 from mlx_h2o.evaluation import load_corpus, token_samples
 from mlx_h2o.evaluation.report import markdown_table
+from mlx_h2o.evaluation.speed import graph_primitives
 from mlx_h2o.evaluation.runner import parse_specs
 
 # Every class whose own method computes a linear layer: MLX's, and the kernel subclasses that override it.
@@ -78,12 +76,9 @@ VARIANTS = {"as is": (False, False), "no linears": (True, False), "no attention"
 def primitive_counts(model, cache, y):
     """Primitives in one decode step's graph, by kind (from MLX's DOT export)."""
     out = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)
-    with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
-        mx.export_to_dot(f.name, out)
-        f.seek(0)
-        labels = re.findall(r'label ="([^"]+)", shape=rectangle', f.read())
+    counts = graph_primitives(out)
     mx.eval(out, [c.state for c in cache])
-    return collections.Counter(labels)
+    return counts
 
 
 def main():

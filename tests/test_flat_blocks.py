@@ -13,6 +13,7 @@ from mlx_lm.models import llama
 
 import mlx_h2o
 from mlx_h2o import cpu_layers
+from mlx_h2o.evaluation.speed import graph_primitives
 from tiny_models import tiny_model
 
 # The calls FlatLlamaBlock.__call__ restates (whitespace aside). A new mlx-lm that changes one of
@@ -231,21 +232,6 @@ def test_projections_are_packed_only_where_one_product_stands_for_them(overrides
     assert all("_packed_qkv" not in vars(b) and "_packed_gate_up" not in vars(b.mlp) for b in model.model.layers)
 
 
-def _step_primitives(model, cache):
-    """The primitives of one decode step's graph, by the labels of MLX's DOT export."""
-    import collections
-    import re
-    import tempfile
-
-    out = model(mx.array([[3]]), cache=cache)
-    with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
-        mx.export_to_dot(f.name, out)
-        f.seek(0)
-        labels = re.findall(r'label ="([^"]+)", shape=rectangle', f.read())
-    mx.eval(out)
-    return collections.Counter(labels)
-
-
 @pytest.mark.parametrize("kv_dtype", [None, "float16"])
 @pytest.mark.parametrize("mlx_layers", [False, True], ids=["kernel-layers", "mlx-layers"])
 def test_a_decode_step_rotates_q_and_k_at_once_and_reads_the_full_cache_in_place(kv_dtype, mlx_layers):
@@ -261,7 +247,9 @@ def test_a_decode_step_rotates_q_and_k_at_once_and_reads_the_full_cache_in_place
     assert all(qkv is not None for qkv, _ in _packed(model.model))
     cache = mlx_h2o.make_cache(model, "full", **({"kv_dtype": kv_dtype} if kv_dtype else {}))
     mx.eval(model(mx.array([list(range(1, 11))]), cache=cache))
-    counts = _step_primitives(model, cache)
+    out = model(mx.array([[3]]), cache=cache)
+    counts = graph_primitives(out)
+    mx.eval(out)
     layers = len(model.layers)
     assert sum(n for name, n in counts.items() if "RoPE" in name) == layers
     assert counts["Split"] == 2 * layers  # q/k from v, then q from k: gate and up reach the swiglu kernel unsplit

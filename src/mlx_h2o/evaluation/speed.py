@@ -1,5 +1,10 @@
-"""Decode speed at a given context length: tokens/s and the per-step latency distribution."""
+"""Decode speed at a given context length: tokens/s and the per-step latency distribution; the
+primitives a step's graph holds (each costs a decode step ~8 µs on 2 cores, docs/cpu-decode.md)."""
 
+import collections
+import os
+import re
+import tempfile
 import time
 from typing import Optional
 
@@ -7,6 +12,16 @@ import mlx.core as mx
 import numpy as np
 
 from .memory import kv_bytes, memory_snapshot
+
+
+def graph_primitives(*outputs: mx.array) -> collections.Counter:
+    """The primitives of the graph that computes `outputs` (not evaluated yet), by kind: the
+    rectangles of MLX's DOT export."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "graph.dot")
+        mx.export_to_dot(path, *outputs)
+        with open(path, encoding="utf-8") as f:
+            return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', f.read()))
 
 
 def decode_step_times(model, cache, y: mx.array, steps: int) -> list:
