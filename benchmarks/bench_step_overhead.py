@@ -48,6 +48,22 @@ def _zeros_attention(q, k, v, **kw):
     return mx.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), None
 
 
+class _ZeroProducts:
+    """cpu_layers' `_ext` with every quantized product a zeros array of its output's shape (or, where
+    the product adds a residual, the residual): the packed q/k/v and gate/up products and the fused
+    ones (norm, swiglu, residual inside) call the extension directly, not a layer."""
+
+    def __init__(self, ext):
+        self._ext = ext
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
+
+    def quantized_matmul(self, x, w, *args, **kwargs):
+        residual = args[7] if len(args) > 7 else kwargs.get("residual")  # (scales, biases, group_size, bits, max_rows, norm_weight, norm_eps, residual, ...)
+        return residual if residual is not None else mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
+
+
 class Replaced:
     """Within the block, linear layers and/or attention return zeros of their output's shape."""
 
@@ -57,11 +73,13 @@ class Replaced:
     def __enter__(self):
         self.saved = [(c, m, c.__dict__[m]) for c, m in LINEARS] + [(hook, "scaled_dot_product_attention_with_scores",
                                                                         hook.scaled_dot_product_attention_with_scores),
-                                                                       (cpu_layers, "_packed_matmul", cpu_layers._packed_matmul)]
+                                                                       (cpu_layers, "_packed_matmul", cpu_layers._packed_matmul),
+                                                                       (cpu_layers, "_ext", cpu_layers._ext)]
         if self.linears:
             for c, m in LINEARS:
                 setattr(c, m, _zeros_linear)
             cpu_layers._packed_matmul = _zeros_linear  # what the flat llama blocks call in place of the layers
+            cpu_layers._ext = _ZeroProducts(cpu_layers._ext)
         if self.attention:
             hook.scaled_dot_product_attention_with_scores = _zeros_attention
 

@@ -99,16 +99,27 @@ NB_MODULE(_ext, m) {
       "single-segment mlx_h2o.scaled_dot_product_attention_with_scores / quantized_... built on it).");
 
   m.def("quantized_matmul", &mlx_h2o::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
-        "max_rows"_a = -1, "stream"_a = nb::none(),
-        "x @ W^T over packed affine weights (Python API: mlx_h2o.quantized_matmul).");
+        "max_rows"_a = -1, "norm_weight"_a.none() = nb::none(), "norm_eps"_a.none() = nb::none(),
+        "residual"_a.none() = nb::none(), "swiglu"_a = false, "stream"_a = nb::none(),
+        "x @ W^T over packed affine weights (Python API: mlx_h2o.quantized_matmul); with norm_eps, of\n"
+        "rms_norm(x, norm_weight, norm_eps); with swiglu, of swiglu_halves(x); with residual, residual +\n"
+        "the product: one primitive.");
   m.def("quantized_matmul_composed", &mlx_h2o::quantized_matmul_composed, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "stream"_a = nb::none(), "Dequantize + matmul: the definition of quantized_matmul.");
   m.def("dequantize_affine", &mlx_h2o::dequantize_affine, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "dtype"_a, "stream"_a = nb::none(), "Packed affine weights as a dense array (one vectorized pass on the CPU).");
+  m.def("quantized_embedding", &mlx_h2o::quantized_embedding, "indices"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, "stream"_a = nb::none(),
+        "Rows of packed affine weights at int32 / uint32 indices, dequantized (nn.QuantizedEmbedding's call):\n"
+        "one CPU kernel; an index outside the rows gives a row of NaN.");
   m.def("rms_norm", &mlx_h2o::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, "stream"_a = nb::none(),
         "mx.fast.rms_norm as one CPU kernel (Python API: mlx_h2o.rms_norm).");
   m.def("rope", &mlx_h2o::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "stream"_a = nb::none(), "mx.fast.rope with an integer offset as one CPU kernel (Python API: mlx_h2o.rope).");
+  m.def("split_heads_rope", &mlx_h2o::split_heads_rope, "x"_a, "heads"_a, "head_dim"_a, "rotated"_a, "dims"_a,
+        "traditional"_a, "base"_a, "scale"_a, "offset"_a, "stream"_a = nb::none(),
+        "A packed (B, L, sum(heads) * head_dim) projection as one (B, heads[i], L, head_dim) array per group,\n"
+        "the first `rotated` groups through rope: one CPU kernel.");
   m.def("swiglu", &mlx_h2o::swiglu, "gate"_a, "up"_a, "stream"_a = nb::none(),
         "gate * sigmoid(gate) * up (mlx-lm's swiglu) as one CPU kernel (Python API: mlx_h2o.swiglu).");
   m.def("swiglu_halves", &mlx_h2o::swiglu_halves, "x"_a, "stream"_a = nb::none(),

@@ -23,6 +23,17 @@ mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, f
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset,
                mx::StreamOrDevice s = {});
 
+/**
+ * A packed projection of groups of heads (a packed q/k/v product) as the attention's arrays: x (B, L,
+ * sum(heads) * head_dim) holds `heads.size()` groups of heads side by side along its last axis; group
+ * i comes out as (B, heads[i], L, head_dim), the first `rotated` groups through rope(..., dims,
+ * traditional, base, scale, offset), the others as they are. On CPU streams one primitive where the
+ * reshape, transpose, splits and RoPE calls were 4-10; elsewhere (and as its definition) those ops.
+ */
+std::vector<mx::array> split_heads_rope(const mx::array& x, const std::vector<int>& heads, int head_dim, int rotated,
+                                        int dims, bool traditional, float base, float scale, int offset,
+                                        mx::StreamOrDevice s = {});
+
 class RMSNormCPU : public ComposedPrimitive {
  public:
   RMSNormCPU(mx::Stream stream, float eps, bool has_weight) : ComposedPrimitive(stream), eps_(eps), has_weight_(has_weight) {}
@@ -51,6 +62,27 @@ class RoPECPU : public ComposedPrimitive {
 
  private:
   int dims_;
+  bool traditional_;
+  float base_, scale_;
+  int offset_;
+};
+
+class SplitHeadsRoPE : public ComposedPrimitive {
+ public:
+  SplitHeadsRoPE(mx::Stream stream, std::vector<int> heads, int head_dim, int rotated, int dims, bool traditional,
+                 float base, float scale, int offset)
+      : ComposedPrimitive(stream), heads_(std::move(heads)), head_dim_(head_dim), rotated_(rotated), dims_(dims),
+        traditional_(traditional), base_(base), scale_(scale), offset_(offset) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "SplitHeadsRoPE"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  std::vector<int> heads_;
+  int head_dim_, rotated_, dims_;
   bool traditional_;
   float base_, scale_;
   int offset_;

@@ -5,6 +5,7 @@
 // dequantize + matmul, which on the CPU is a BLAS GEMM.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -20,9 +21,22 @@ namespace mx = mlx::core;
  * of one float dtype; bits 4 or 8; group_size 32, 64 or 128. Returns (..., N) in the promoted dtype of
  * x and scales (as mx::quantized_matmul with transpose=true). The integer-dot kernel runs on CPU
  * streams for up to `max_rows` rows of x (default QMM_MAX_ROWS); otherwise dequantize + matmul.
+ *
+ * The ops around a decoder layer's products can come in the same primitive (each primitive costs a
+ * 2-core decode step ~8 us of dispatch, docs/cpu-decode.md), with the bits of the ops one by one:
+ * - norm_eps given: x is first replaced by mx.fast.rms_norm(x, norm_weight, norm_eps) (norm_weight
+ *   (K,) or none), e.g. a block's input norm before its packed q/k/v product;
+ * - swiglu: x (..., 2K) is a packed gate/up product and the product is of its swiglu, silu(gate) *
+ *   up (the swiglu_halves op), e.g. a SwiGLU MLP's down projection;
+ * - residual (..., N), the product's shape: the result is residual + x @ W^T, e.g. the residual
+ *   stream plus o_proj's or down_proj's output.
  */
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, int max_rows = -1, mx::StreamOrDevice s = {});
+                           int group_size, int bits, int max_rows = -1,
+                           const std::optional<mx::array>& norm_weight = std::nullopt,
+                           std::optional<float> norm_eps = std::nullopt,
+                           const std::optional<mx::array>& residual = std::nullopt, bool swiglu = false,
+                           mx::StreamOrDevice s = {});
 
 /** The same product from stock ops (dequantize, matmul): the kernel's definition and its fallback. */
 mx::array quantized_matmul_composed(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -33,10 +47,29 @@ mx::array quantized_matmul_composed(const mx::array& x, const mx::array& w, cons
 mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                             int bits, mx::Dtype dtype, mx::StreamOrDevice s = {});
 
+/** A product's fused extras (quantized_matmul's swiglu / norm_weight / norm_eps / residual), and so
+ *  which inputs follow x, w, scales, biases. */
+struct ProductFusion {
+  bool swiglu = false, norm = false, norm_weight = false, residual = false;
+  float norm_eps = 0.0f;
+  bool operator==(const ProductFusion& o) const {
+    return swiglu == o.swiglu && norm == o.norm && norm_weight == o.norm_weight && residual == o.residual &&
+           norm_eps == o.norm_eps;
+  }
+};
+
+/** An embedding lookup in packed affine weights (nn.QuantizedEmbedding's call): W's rows at `indices`
+ *  (any shape, int32 or uint32; negative int32 indices count from the end) as (*indices.shape, K) in
+ *  the scales' dtype, as mx.dequantize(w[indices], scales[indices], biases[indices]). On CPU streams one
+ *  primitive (the gathers and MLX's composed dequantize are ~36); an index outside W's rows gives a row
+ *  of NaN (MLX leaves that undefined). */
+mx::array quantized_embedding(const mx::array& indices, const mx::array& w, const mx::array& scales,
+                              const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s = {});
+
 class QuantizedMatmul : public ComposedPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : ComposedPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, ProductFusion fusion = {})
+      : ComposedPrimitive(stream), group_size_(group_size), bits_(bits), fusion_(fusion) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -48,16 +81,18 @@ class QuantizedMatmul : public ComposedPrimitive {
 
  private:
   int group_size_, bits_;
+  ProductFusion fusion_;
 };
 
 }  // namespace mlx_h2o
 
 namespace mlx_h2o {
 
+/** W dequantized, all of its rows, or (with `lookup`) the rows named by a last input of indices. */
 class DequantizeAffine : public ComposedPrimitive {
  public:
-  DequantizeAffine(mx::Stream stream, int group_size, int bits, mx::Dtype dtype = mx::float32)
-      : ComposedPrimitive(stream), group_size_(group_size), bits_(bits), dtype_(dtype) {}
+  DequantizeAffine(mx::Stream stream, int group_size, int bits, mx::Dtype dtype = mx::float32, bool lookup = false)
+      : ComposedPrimitive(stream), group_size_(group_size), bits_(bits), dtype_(dtype), lookup_(lookup) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -70,6 +105,7 @@ class DequantizeAffine : public ComposedPrimitive {
  private:
   int group_size_, bits_;
   mx::Dtype dtype_;
+  bool lookup_;
 };
 
 }  // namespace mlx_h2o

@@ -87,6 +87,63 @@ def test_gradients_through_the_kernels():
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_heads_rope_is_the_rotated_groups_of_a_packed_projection(traditional, dtype):
+    """A packed q/k/v product (B, L, sum(heads) * D) as one (B, heads[i], L, D) array per group, the
+    first `rotated` groups rotated: against float64, and bit for bit against `rope` of each group of
+    the reshaped product (what the flat block did before)."""
+    rng = np.random.default_rng(5)
+    for B, L, heads, D, rotated, dims, offset in [(1, 1, [9, 3, 3], 64, 2, 64, 511), (2, 3, [4, 2, 2], 32, 2, 16, 0),
+                                                  (1, 5, [2, 2], 48, 1, 48, 70), (3, 1, [1, 1, 1, 2], 16, 3, 8, 9),
+                                                  (1, 2, [3], 8, 0, 8, 4)]:
+        x = mx.array(rng.standard_normal((B, L, sum(heads) * D)).astype(np.float32)).astype(dtype)
+        got = mlx_h2o.split_heads_rope(x, heads, D, rotated=rotated, dims=dims, traditional=traditional, base=5e5,
+                                       scale=0.5, offset=offset)
+        groups = np.split(f64(x).reshape(B, L, sum(heads), D).transpose(0, 2, 1, 3), np.cumsum(heads)[:-1], axis=1)
+        each = mx.split(x.reshape(B, L, sum(heads), D).transpose(0, 2, 1, 3), [int(h) for h in np.cumsum(heads)[:-1]], axis=1)
+        assert len(got) == len(heads)
+        for i, (g, ref, part) in enumerate(zip(got, groups, each)):
+            assert g.shape == (B, heads[i], L, D) and g.dtype == dtype
+            if i < rotated:
+                ref = rope_reference(mx.array(ref.astype(np.float32)), dims, traditional, 5e5, 0.5, offset)
+                part = mlx_h2o.rope(part, dims, traditional=traditional, base=5e5, scale=0.5, offset=offset)
+            np.testing.assert_allclose(f64(g), ref, rtol=TOL[dtype], atol=TOL[dtype])
+            np.testing.assert_array_equal(np.array(g.astype(mx.float32)), np.array(part.astype(mx.float32)))
+
+
+def test_split_heads_rope_gradient_and_bad_input():
+    rng = np.random.default_rng(6)
+    x = mx.array(rng.standard_normal((1, 2, 4 * 16)).astype(np.float32))
+    g = [mx.array(rng.standard_normal((1, h, 2, 16)).astype(np.float32)) for h in (2, 1, 1)]
+
+    def loss(split):
+        def f(x):
+            return sum((a * b).sum() for a, b in zip(split(x), g))
+        return f
+
+    ours = mx.grad(loss(lambda x: mlx_h2o.split_heads_rope(x, [2, 1, 1], 16, rotated=2, dims=16, offset=3)))(x)
+
+    def stock(x):
+        q, k, v = mx.split(x.reshape(1, 2, 4, 16).transpose(0, 2, 1, 3), [2, 3], axis=1)
+        return [mx.fast.rope(q, 16, traditional=False, base=1e4, scale=1.0, offset=3),
+                mx.fast.rope(k, 16, traditional=False, base=1e4, scale=1.0, offset=3), v]
+
+    np.testing.assert_allclose(np.array(ours), np.array(mx.grad(loss(stock))(x)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not sum\\(heads\\) \\* head_dim"):
+        mlx_h2o.split_heads_rope(x, [2, 1, 2], 16, rotated=2, dims=16)
+    with pytest.raises(ValueError, match="rotated must be in"):
+        mlx_h2o.split_heads_rope(x, [2, 1, 1], 16, rotated=4, dims=16)
+    with pytest.raises(ValueError, match="dims must be even"):
+        mlx_h2o.split_heads_rope(x, [2, 1, 1], 16, rotated=2, dims=18)
+    with pytest.raises(ValueError, match="at least one head"):
+        mlx_h2o.split_heads_rope(x, [4, 0], 16, rotated=1, dims=16)
+    with pytest.raises(ValueError, match="x must be a float"):
+        mlx_h2o.split_heads_rope(x[0], [2, 1, 1], 16, rotated=2, dims=16)
+    with pytest.raises(ValueError, match="offset must be an integer"):
+        mlx_h2o.split_heads_rope(x, [2, 1, 1], 16, rotated=2, dims=16, offset=mx.array(1))
+
+
 def test_bad_input():
     x = mx.ones((1, 2, 3, 8))
     with pytest.raises(ValueError, match="dims must be even"):

@@ -133,6 +133,74 @@ def test_gradient_wrt_x_through_the_kernel():
     np.testing.assert_allclose(np.array(dx), np.array(g) @ numpy_dequantize(*wq, 4, 32), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_norm_and_residual_inside_the_product_give_the_bits_of_the_ops(bits):
+    """A block's norm before its product, an MLP's swiglu before its down projection and the residual
+    add after either, in the product's primitive: bit for bit `residual + quantized_matmul(
+    rms_norm(x, weight, eps))` and `residual + quantized_matmul(swiglu_halves(gate_up))` (each op
+    alone) for every mix of dtypes, on the kernel's rows and on the dequantize + GEMM path; and within
+    the int8 bound of the float64 product of the float64-normed / -activated x."""
+    rng = np.random.default_rng(bits)
+    for (M, N, K, group_size), (xd, wd, sd, rd) in zip(
+            [(1, 96, 128, 32), (3, 40, 256, 64), (1, 200, 384, 128), (5, 64, 640, 32), (2, 33, 128, 64), (40, 24, 128, 32),
+             (32, 64, 576, 32)],  # 32 rows of 576: a norm that rounds one value differently shows (it did once)
+            [(mx.float32,) * 4, (mx.float16, mx.float16, mx.float16, mx.float16), (mx.bfloat16, mx.float32, mx.bfloat16, mx.float32),
+             (mx.float32, mx.float16, mx.float32, mx.bfloat16), (mx.bfloat16,) * 4, (mx.float32,) * 4, (mx.float32,) * 4]):
+        wq = mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32) * 0.05).astype(sd), group_size=group_size, bits=bits)
+        x = mx.array((rng.standard_normal((1, M, K)) * rng.uniform(0.1, 10)).astype(np.float32)).astype(xd)
+        weight = mx.array(rng.uniform(0.5, 2, K).astype(np.float32)).astype(wd)
+        normed = mlx_h2o.rms_norm(x, weight, 1e-5)
+        residual = mx.array(rng.standard_normal((1, M, N)).astype(np.float32)).astype(rd)
+        product = quantized_matmul(normed, *wq, group_size=group_size, bits=bits)
+        for norm, res, expect in [(True, False, product), (False, True, residual + quantized_matmul(x, *wq, group_size=group_size, bits=bits)),
+                                  (True, True, residual + product)]:
+            got = quantized_matmul(x, *wq, group_size=group_size, bits=bits, norm_weight=weight if norm else None,
+                                   norm_eps=1e-5 if norm else None, residual=residual if res else None)
+            assert got.dtype == expect.dtype and got.shape == expect.shape
+            np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(expect.astype(mx.float32)))
+        gate_up = mx.array(rng.standard_normal((1, M, 2 * K)).astype(np.float32) * 3).astype(xd)  # a packed gate/up product
+        activated = quantized_matmul(_ext.swiglu_halves(gate_up), *wq, group_size=group_size, bits=bits)
+        for res, expect in [(False, activated), (True, residual + activated)]:
+            got = quantized_matmul(gate_up, *wq, group_size=group_size, bits=bits, swiglu=True, residual=residual if res else None)
+            assert got.dtype == expect.dtype and got.shape == expect.shape
+            np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(expect.astype(mx.float32)))
+        if xd == wd == sd == rd == mx.float32 and M <= 32:
+            x64 = np.array(x, dtype=np.float64)
+            n64 = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * np.array(weight, dtype=np.float64)
+            ref, bound, mag = reference_and_bound(mx.array(n64.astype(np.float32)), *wq, group_size, bits)
+            got = np.array(quantized_matmul(x, *wq, group_size=group_size, bits=bits, norm_weight=weight, norm_eps=1e-5,
+                                            residual=residual), dtype=np.float64)
+            assert np.all(np.abs(got - np.array(residual, dtype=np.float64) - ref) <= bound + 1e-5 * mag + 1e-6)
+            g64, u64 = np.split(np.array(gate_up, dtype=np.float64), 2, axis=-1)
+            ref, bound, mag = reference_and_bound(mx.array((g64 / (1 + np.exp(-g64)) * u64).astype(np.float32)), *wq, group_size, bits)
+            got = np.array(quantized_matmul(gate_up, *wq, group_size=group_size, bits=bits, swiglu=True), dtype=np.float64)
+            assert np.all(np.abs(got - ref) <= bound + 1e-5 * mag + 1e-6)
+    # No weight: the norm alone.
+    wq = mx.quantize(mx.array(rng.standard_normal((8, 128)).astype(np.float32)), group_size=32, bits=bits)
+    x = mx.array(rng.standard_normal((1, 2, 128)).astype(np.float32))
+    np.testing.assert_array_equal(np.array(quantized_matmul(x, *wq, group_size=32, bits=bits, norm_eps=1e-6)),
+                                  np.array(quantized_matmul(mlx_h2o.rms_norm(x, None, 1e-6), *wq, group_size=32, bits=bits)))
+
+
+def test_gradients_through_the_fused_norm_and_residual():
+    """vjp of the fused products (their composed definitions) against the same ops from mx.fast and MLX."""
+    rng = np.random.default_rng(7)
+    wq = mx.quantize(mx.array(rng.standard_normal((40, 64)).astype(np.float32)), group_size=32, bits=4)
+    x, r = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((1, 64), (1, 40)))
+    w = mx.array(rng.uniform(0.5, 2, 64).astype(np.float32))
+    g = mx.array(rng.standard_normal((1, 40)).astype(np.float32))
+    dense = mx.dequantize(*wq, group_size=32, bits=4)
+    ours = mx.grad(lambda x, w, r: (quantized_matmul(x, *wq, group_size=32, bits=4, norm_weight=w, norm_eps=1e-5, residual=r) * g).sum(),
+                   argnums=(0, 1, 2))(x, w, r)
+    stock = mx.grad(lambda x, w, r: ((r + mx.fast.rms_norm(x, w, 1e-5) @ dense.T) * g).sum(), argnums=(0, 1, 2))(x, w, r)
+    for a, b in zip(ours, stock):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
+    gate_up = mx.array(rng.standard_normal((1, 128)).astype(np.float32))
+    ours = mx.grad(lambda x: (quantized_matmul(x, *wq, group_size=32, bits=4, swiglu=True) * g).sum())(gate_up)
+    stock = mx.grad(lambda x: ((nn.silu(x[:, :64]) * x[:, 64:]) @ dense.T * g).sum())(gate_up)
+    np.testing.assert_allclose(np.array(ours), np.array(stock), rtol=1e-4, atol=1e-4)
+
+
 def test_bad_input():
     rng = np.random.default_rng(5)
     w = mx.array(rng.standard_normal((8, 64)).astype(np.float32))
@@ -152,6 +220,64 @@ def test_bad_input():
         quantized_matmul(x, wq[0].astype(mx.int32), *wq[1:], group_size=32, bits=4)
     with pytest.raises(ValueError, match="bits must be an integer"):
         quantized_matmul(x, *wq, group_size=32, bits=4.0)
+    with pytest.raises(ValueError, match="norm_weight must be a float array of shape"):
+        quantized_matmul(x, *wq, group_size=32, bits=4, norm_weight=mx.ones((7,)), norm_eps=1e-5)
+    with pytest.raises(ValueError, match="norm_weight needs norm_eps"):
+        quantized_matmul(x, *wq, group_size=32, bits=4, norm_weight=mx.ones((x.shape[-1],)))
+    with pytest.raises(ValueError, match="residual must be a float array of the product's shape"):
+        quantized_matmul(x, *wq, group_size=32, bits=4, residual=mx.ones((3,)))
+    with pytest.raises(ValueError, match="either the swiglu or the norm"):
+        quantized_matmul(mx.concatenate([x, x], -1), *wq, group_size=32, bits=4, swiglu=True, norm_eps=1e-5)
+    with pytest.raises(ValueError, match="w's words per row do not hold"):
+        quantized_matmul(x, *wq, group_size=32, bits=4, swiglu=True)  # x holds K values, not gate and up
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_embedding_lookup_is_the_stored_rows(bits):
+    """quantized_embedding: the rows at int32 / uint32 indices of any shape (negative int32 from the
+    end), equal to the float64 decoding of the stored values up to the scales' dtype's rounding (and,
+    for float32 scales, to MLX's own lookup); an index outside the rows gives NaN."""
+    rng = np.random.default_rng(bits + 10)
+    for group_size, sdtype in [(32, mx.float32), (64, mx.float16), (128, mx.bfloat16)]:
+        wq = mx.quantize(mx.array(rng.standard_normal((50, 256)).astype(np.float32)).astype(sdtype), group_size=group_size, bits=bits)
+        table = numpy_dequantize(*wq, bits, group_size)
+        for idx in [mx.array([[3]]), mx.array([7, 0, 49, -1, -50], mx.int32), mx.array([[1, 2], [3, 49]], mx.uint32),
+                    mx.array(rng.integers(0, 50, (2, 3, 40)).astype(np.int32))]:
+            got = _ext.quantized_embedding(idx, *wq, group_size, bits)
+            assert got.dtype == sdtype and got.shape == (*idx.shape, 256)
+            np.testing.assert_allclose(np.array(got.astype(mx.float32)), table[np.array(idx)], rtol=OUT_ULP[sdtype] * 2, atol=1e-6)
+            if sdtype == mx.float32:  # MLX's own dequantize rounds each step to the scales' dtype
+                mlx = mx.dequantize(wq[0][idx], wq[1][idx], wq[2][idx], group_size=group_size, bits=bits)
+                np.testing.assert_allclose(np.array(got), np.array(mlx), rtol=1e-6, atol=1e-6)
+        out = np.array(_ext.quantized_embedding(mx.array([0, 50, -51, 2**31 - 1]), *wq, group_size, bits).astype(mx.float32))
+        assert np.isfinite(out[0]).all() and np.isnan(out[1:]).all()
+        assert np.isfinite(np.array(_ext.quantized_embedding(mx.array([4000000000], mx.uint32), *wq, group_size, bits).astype(mx.float32))).sum() == 0
+    with pytest.raises(ValueError, match="indices must be int32 or uint32"):
+        _ext.quantized_embedding(mx.array([1.0]), *wq, group_size, bits)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        _ext.quantized_embedding(mx.array([1]), *wq, group_size, 7)
+    with pytest.raises(ValueError, match="do not match w"):
+        _ext.quantized_embedding(mx.array([1]), *wq, 32 if group_size != 32 else 64, bits)
+
+
+@pytest.mark.parametrize("mlx_layers", [False, True], ids=["kernel-layers", "mlx-layers"])
+def test_quantized_embedding_looks_up_with_the_kernel(mlx_layers):
+    """The lookup's kernel with our layers and with MLX's (MLX has no op for it); back to MLX's class."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    tokens = mx.array([[3, 17, 99]])
+    stock = model.model.embed_tokens(tokens)
+    mlx_h2o.use_cpu_layer_kernels(model, mlx_layers=mlx_layers)
+    embed = model.model.embed_tokens
+    assert type(embed) is (cpu_layers.QuantizedEmbeddingLookup if mlx_layers else cpu_layers.KernelQuantizedEmbedding)
+    graph = embed(tokens)
+    from mlx_h2o.evaluation.speed import graph_primitives
+
+    assert graph_primitives(graph) == {"DequantizeAffine": 1}
+    np.testing.assert_allclose(np.array(graph), np.array(stock), rtol=1e-6, atol=1e-7)
+    mlx_h2o.use_cpu_layer_kernels(model, False)
+    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
 
 
 def test_quantized_linear_and_tied_embedding_use_the_kernel(monkeypatch):
@@ -162,7 +288,7 @@ def test_quantized_linear_and_tied_embedding_use_the_kernel(monkeypatch):
     nn.quantize(model, group_size=32, bits=4)
     calls = []
     real = _ext.quantized_matmul
-    monkeypatch.setattr(_ext, "quantized_matmul", lambda *a: calls.append(a[-3]) or real(*a))
+    monkeypatch.setattr(_ext, "quantized_matmul", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
     x = mx.array([[3, 17, 99]])
     stock = model(x[:, :1])
     assert not calls
@@ -228,7 +354,7 @@ def test_int8_activations_cost_at_most_half_a_percent_of_perplexity(smollm, monk
             texts.append(tokenizer.encode(f.read())[:512])
     calls = []
     real = _ext.quantized_matmul
-    monkeypatch.setattr(_ext, "quantized_matmul", lambda *a: calls.append(a[-2]) or real(*a))
+    monkeypatch.setattr(_ext, "quantized_matmul", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
     ppl = {}
     for max_rows in (1 << 20, 0):  # every row through the kernel; none
         monkeypatch.setattr(cpu_layers, "KERNEL_MAX_ROWS", max_rows)

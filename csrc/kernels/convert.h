@@ -77,6 +77,18 @@ static inline void store_scalar(void* p, ElemType t, int64_t i, float x) {
   }
 }
 
+// x rounded to t's precision and back: what storing x as t and loading it gives.
+static inline float round_to(ElemType t, float x) {
+  switch (t) {
+    case ElemType::float16:
+      return half_to_float(float_to_half(x));
+    case ElemType::bfloat16:
+      return bf16_to_float(float_to_bf16(x));
+    default:
+      return x;
+  }
+}
+
 static inline v8f half8_to_float(const uint16_t* p) {
 #if defined(MLX_H2O_ISA_AVX2)
   return bitcast<v8f>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));

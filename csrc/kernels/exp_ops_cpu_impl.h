@@ -6,37 +6,26 @@
 
 #include "simd.h"
 #include "convert.h"
+#include "work.h"
+#include "row_ops.h"
 
 namespace mlx_h2o {
 namespace MLX_H2O_ISA_NS {
 
-// sigmoid(g) from e = exp(-|g|) <= 1, so exp2v only sees arguments <= 0 (its range): 1 / (1 + e)
-// for g >= 0 and e / (1 + e) below.
-static inline v8f silu_times(v8f g, v8f u) {
-  const v8f e = exp2v(vmax(g, -g) * splat(-1.4426950408889634f));
-  const v8f sig = (g >= zeros8() ? splat(1.0f) : e) / (splat(1.0f) + e);
-  return g * sig * u;
-}
-
 template <class Elem>
 static void run_swiglu(const SwiGLUProblem& p) {
   using S = typename Elem::Storage;
-  for (int64_t row = 0; row < p.rows; ++row) {
-    const S* g = static_cast<const S*>(p.gate) + row * p.ld;
-    const S* u = static_cast<const S*>(p.up) + row * p.ld;
-    const int64_t o = row * p.n;  // the row's first output
-    int64_t i = 0;
+  FloatBuffer row(p.type == ElemType::float32 ? 0 : p.n);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const S* g = static_cast<const S*>(p.gate) + r * p.ld;
+    const S* u = static_cast<const S*>(p.up) + r * p.ld;
+    const int64_t o = r * p.n;  // the row's first output
     if (p.type == ElemType::float32) {
-      float* out = static_cast<float*>(p.out) + o;
-      for (; i + 8 <= p.n; i += 8) store8(out + i, silu_times(Elem::load8(g + i), Elem::load8(u + i)));
+      swiglu_row<Elem>(g, u, p.n, static_cast<float*>(p.out) + o);
     } else {
-      alignas(32) float r[8];
-      for (; i + 8 <= p.n; i += 8) {
-        store8(r, silu_times(Elem::load8(g + i), Elem::load8(u + i)));
-        for (int j = 0; j < 8; ++j) store_scalar(p.out, p.type, o + i + j, r[j]);
-      }
+      swiglu_row<Elem>(g, u, p.n, row.p);
+      for (int64_t i = 0; i < p.n; ++i) store_scalar(p.out, p.type, o + i, row.p[i]);
     }
-    for (; i < p.n; ++i) store_scalar(p.out, p.type, o + i, silu_times(splat(Elem::load1(g + i)), splat(Elem::load1(u + i)))[0]);
   }
 }
 

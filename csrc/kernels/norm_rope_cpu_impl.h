@@ -7,6 +7,7 @@
 #include "simd.h"
 #include "convert.h"
 #include "work.h"
+#include "row_ops.h"
 
 namespace mlx_h2o {
 namespace MLX_H2O_ISA_NS {
@@ -15,17 +16,8 @@ static void run_rms_norm(const RMSNormProblem& p) {
   FloatBuffer row(p.D);
   for (int r = 0; r < p.rows; ++r) {
     const int64_t base = static_cast<int64_t>(r) * p.D;
-    float sum = 0.0f;
-    for (int d = 0; d < p.D; ++d) {
-      const float v = load_scalar(p.x, p.x_type, base + d);
-      row.p[d] = v;
-      sum += v * v;
-    }
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(p.D) + p.eps);
-    for (int d = 0; d < p.D; ++d) {
-      const float w = p.weight ? load_scalar(p.weight, p.weight_type, d * p.weight_stride) : 1.0f;
-      store_scalar(p.out, p.out_type, base + d, row.p[d] * inv * w);
-    }
+    rms_norm_row(p.x, p.x_type, base, p.D, p.weight, p.weight_type, p.weight_stride, p.eps, row.p);
+    for (int d = 0; d < p.D; ++d) store_scalar(p.out, p.out_type, base + d, row.p[d]);
   }
 }
 
@@ -46,16 +38,19 @@ static void run_rope(const RoPEProblem& p) {
     for (int h = 0; h < p.H; ++h)
       for (int l = 0; l < p.L; ++l) {
         const int64_t in = b * p.x.stride[0] + h * p.x.stride[1] + l * p.x.stride[2];
-        const int64_t out = ((static_cast<int64_t>(b) * p.H + h) * p.L + l) * p.D;
+        const bool tail = p.out_tail && h >= p.tail_from;
+        void* const dst = tail ? p.out_tail : p.out;
+        const int heads = !p.out_tail ? p.H : tail ? p.H - p.tail_from : p.tail_from;
+        const int64_t out = ((static_cast<int64_t>(b) * heads + (tail ? h - p.tail_from : h)) * p.L + l) * p.D;
         for (int d = 0; d < p.D; ++d) xf.p[d] = load_scalar(p.x.data, p.x.type, in + d * p.x.stride[3]);
         const float* c = cs.p + 2 * static_cast<int64_t>(l) * half;
         for (int i = 0; i < half; ++i) {
           const int i1 = p.traditional ? 2 * i : i, i2 = p.traditional ? 2 * i + 1 : i + half;
           const float x1 = xf.p[i1], x2 = xf.p[i2], co = c[2 * i], si = c[2 * i + 1];
-          store_scalar(p.out, p.out_type, out + i1, x1 * co - x2 * si);
-          store_scalar(p.out, p.out_type, out + i2, x1 * si + x2 * co);
+          store_scalar(dst, p.out_type, out + i1, x1 * co - x2 * si);
+          store_scalar(dst, p.out_type, out + i2, x1 * si + x2 * co);
         }
-        for (int d = p.dims; d < p.D; ++d) store_scalar(p.out, p.out_type, out + d, xf.p[d]);
+        for (int d = p.dims; d < p.D; ++d) store_scalar(dst, p.out_type, out + d, xf.p[d]);
       }
 }
 

@@ -25,7 +25,8 @@ struct RMSNormProblem {
 
 /** out (B, H, L, D) row-contiguous = x (B, H, L, D, any strides) with the first `dims` features of
  *  row l rotated by angles ((offset + l) * scale) * base^(-i / (dims / 2)), i < dims / 2: pairs
- *  (i, i + dims / 2), or (2i, 2i + 1) when `traditional`; features past `dims` copied. */
+ *  (i, i + dims / 2), or (2i, 2i + 1) when `traditional`; features past `dims` copied (dims 0: a
+ *  strided copy). */
 struct RoPEProblem {
   int B = 0, H = 0, L = 0, D = 0, dims = 0;
   View4 x;
@@ -34,6 +35,10 @@ struct RoPEProblem {
   int offset = 0;
   void* out = nullptr;
   ElemType out_type = ElemType::float32;
+  // When set, heads [tail_from, H) go here as (B, H - tail_from, L, D) and `out` holds (B, tail_from,
+  // L, D): two arrays from one call (queries and keys), the angles computed once.
+  void* out_tail = nullptr;
+  int tail_from = 0;
 };
 
 void rms_norm_cpu(const RMSNormProblem& p);

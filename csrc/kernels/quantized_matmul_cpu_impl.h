@@ -13,6 +13,7 @@
 #include "convert.h"
 #include "work.h"
 #include "int8_dot.h"
+#include "row_ops.h"
 
 namespace mlx_h2o {
 namespace MLX_H2O_ISA_NS {
@@ -136,8 +137,12 @@ static void qmm_columns(const QuantizedMatmulProblem& p, const QuantizedRows& a,
 #endif
     for (; c + 1 < a.blocks; c += 2) add_block(even, c), add_block(odd, c + 1);
     if (c < a.blocks) add_block(even, c);
-    for (int r = 0; r < RR; ++r)
-      store_scalar(p.out, p.out_type, static_cast<int64_t>(r0 + r) * p.W.N + n, hsum(even[r] + odd[r]) + bias_sum[r]);
+    for (int r = 0; r < RR; ++r) {
+      const int64_t at = static_cast<int64_t>(r0 + r) * p.W.N + n;
+      const float y = hsum(even[r] + odd[r]) + bias_sum[r];
+      store_scalar(p.out, p.out_type, at,
+                   p.residual ? load_scalar(p.residual, p.residual_type, at) + round_to(p.product_type, y) : y);
+    }
   }
 }
 
@@ -159,7 +164,19 @@ static void run_quantized_matmul(const QuantizedMatmulProblem& p) {
   FloatBuffer d(static_cast<int64_t>(p.M) * blocks), gsum(static_cast<int64_t>(p.M) * groups), xf(K);
   for (int r = 0; r < p.M; ++r) {
     const int64_t base = static_cast<int64_t>(r) * K;
-    for (int j = 0; j < K; ++j) xf.p[j] = load_scalar(p.x, p.x_type, base + j);
+    if (p.swiglu) {
+      with_float_elem(p.x_type, [&](auto elem) {
+        using S = typename decltype(elem)::Storage;
+        const S* gate = static_cast<const S*>(p.x) + 2 * base;
+        swiglu_row<decltype(elem)>(gate, gate + K, K, xf.p);
+      });
+      for (int j = 0; j < K; ++j) xf.p[j] = round_to(p.x_type, xf.p[j]);
+    } else if (p.norm) {
+      rms_norm_row(p.x, p.x_type, base, K, p.norm_weight, p.norm_weight_type, 1, p.norm_eps, xf.p);
+      for (int j = 0; j < K; ++j) xf.p[j] = round_to(p.norm_type, xf.p[j]);
+    } else {
+      for (int j = 0; j < K; ++j) xf.p[j] = load_scalar(p.x, p.x_type, base + j);
+    }
     float* dr = d.p + static_cast<int64_t>(r) * blocks;
     quantize_int8_blocks(xf.p, K, p.W.bits, q.p + base, dr);
     const int bpg = p.W.group_size / QBLOCK;
@@ -201,9 +218,18 @@ static void run_quantized_matmul(const QuantizedMatmulProblem& p) {
 
 static void run_dequantize(const DequantizeProblem& p) {
   const PackedWeights& W = p.W;
+  const int64_t out_rows = p.rows ? p.n_rows : W.N;
   constexpr int rows_per_task = 16;
-  const int tasks = (W.N + rows_per_task - 1) / rows_per_task;
-  const int threads = static_cast<int64_t>(W.N) * W.K < (int64_t(1) << 16) ? 1 : p.threads;
+  const int tasks = static_cast<int>((out_rows + rows_per_task - 1) / rows_per_task);
+  const int threads = out_rows * W.K < (int64_t(1) << 16) ? 1 : p.threads;
+  // The row of W that output row i holds, or -1 for an index outside W.
+  auto source_row = [&](int64_t i) -> int64_t {
+    if (!p.rows) return i;
+    int64_t n = p.rows_unsigned ? static_cast<int64_t>(static_cast<const uint32_t*>(p.rows)[i])
+                                : static_cast<int64_t>(static_cast<const int32_t*>(p.rows)[i]);
+    if (n < 0) n += W.N;
+    return n >= 0 && n < W.N ? n : -1;
+  };
   with_weight_format<2, 3, 4, 5, 6, 8>(W, [&](auto bits, auto scale_elem) {
     constexpr int BITS = decltype(bits)::value;
     using SE = decltype(scale_elem);
@@ -211,11 +237,17 @@ static void run_dequantize(const DequantizeProblem& p) {
     const int groups = W.K / W.group_size;
     const int64_t row_bytes = static_cast<int64_t>(W.K) * BITS / 8;
     auto task = [&](int t) {
-      for (int n = t * rows_per_task; n < imin(W.N, (t + 1) * rows_per_task); ++n) {
+      const int64_t end = (t + 1) * int64_t(rows_per_task) < out_rows ? (t + 1) * int64_t(rows_per_task) : out_rows;
+      for (int64_t i = static_cast<int64_t>(t) * rows_per_task; i < end; ++i) {
+        const int64_t out_row = i * W.K;
+        const int64_t n = source_row(i);
+        if (n < 0) {
+          for (int j = 0; j < W.K; ++j) store_scalar(p.out, p.out_type, out_row + j, __builtin_nanf(""));
+          continue;
+        }
         const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * row_bytes;
-        const S* sr = static_cast<const S*>(W.scales) + static_cast<int64_t>(n) * groups;
-        const S* br = static_cast<const S*>(W.biases) + static_cast<int64_t>(n) * groups;
-        const int64_t out_row = static_cast<int64_t>(n) * W.K;
+        const S* sr = static_cast<const S*>(W.scales) + n * groups;
+        const S* br = static_cast<const S*>(W.biases) + n * groups;
         for (int g = 0; g < groups; ++g) {
           const v8f s = splat(SE::load1(sr + g)), b = splat(SE::load1(br + g));
           for (int j = g * W.group_size; j < (g + 1) * W.group_size; j += 8) {
@@ -223,7 +255,7 @@ static void run_dequantize(const DequantizeProblem& p) {
             if (p.out_type == ElemType::float32) {
               store8(static_cast<float*>(p.out) + out_row + j, v);
             } else {
-              for (int i = 0; i < 8; ++i) store_scalar(p.out, p.out_type, out_row + j + i, v[i]);
+              for (int k = 0; k < 8; ++k) store_scalar(p.out, p.out_type, out_row + j + k, v[k]);
             }
           }
         }

@@ -19,7 +19,14 @@ struct PackedWeights {
   int bits = 4, group_size = 32;
 };
 
-/** y (M, N) = x (M, K) @ W^T, both row-contiguous. */
+/** y (M, N) = x (M, K) @ W^T, both row-contiguous. Optionally with the ops around a decoder layer's
+ *  products fused in, each rounded as the op on its own would round it:
+ *  - `norm`: x replaced by rms_norm(x, norm_weight, norm_eps) (RMSNormProblem's arithmetic),
+ *    rounded to norm_type, before it is quantized: one pass over x where the norm was an op of its own;
+ *  - `swiglu`: x is (M, 2K), a packed gate/up product, and the product is of silu(gate) * up (the
+ *    swiglu kernel's arithmetic), rounded to x_type: the activation of a SwiGLU MLP inside its
+ *    down projection;
+ *  - `residual` (M, N) row-contiguous: out = residual + y, y first rounded to product_type. */
 struct QuantizedMatmulProblem {
   PackedWeights W;
   int M = 0;
@@ -28,14 +35,28 @@ struct QuantizedMatmulProblem {
   void* out = nullptr;
   ElemType out_type = ElemType::float32;
   int threads = 1;
+  bool swiglu = false;
+  bool norm = false;
+  const void* norm_weight = nullptr;  // (K,) or null
+  ElemType norm_weight_type = ElemType::float32;
+  float norm_eps = 1e-5f;
+  ElemType norm_type = ElemType::float32;
+  const void* residual = nullptr;
+  ElemType residual_type = ElemType::float32;
+  ElemType product_type = ElemType::float32;
 };
 
-/** out (N, K) row-contiguous = W dequantized (bits 2-8, groups 32/64/128). */
+/** out (N, K) row-contiguous = W dequantized (bits 2-8, groups 32/64/128). With `rows` (an embedding
+ *  lookup): out (n_rows, K) = W's rows rows[i], int32 (negative ones from the end, as mx.take) or
+ *  uint32; an index outside W's rows gives a row of NaN. */
 struct DequantizeProblem {
   PackedWeights W;
   void* out = nullptr;
   ElemType out_type = ElemType::float32;
   int threads = 1;
+  const void* rows = nullptr;
+  bool rows_unsigned = false;
+  int64_t n_rows = 0;
 };
 
 /** The integer-dot kernel's formats: bits 4 or 8, group sizes 32, 64 or 128 (multiples of the

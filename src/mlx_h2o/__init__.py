@@ -27,6 +27,7 @@ _EXPORTS = {
     "quantized_matmul": ".cpu_layers",
     "rms_norm": ".cpu_layers",
     "rope": ".cpu_layers",
+    "split_heads_rope": ".cpu_layers",
     "swiglu": ".cpu_layers",
     "use_cpu_layer_kernels": ".cpu_layers",
     "use_default_cpu_kernels": ".cpu_layers",

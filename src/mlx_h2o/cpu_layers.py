@@ -1,6 +1,7 @@
 """CPU kernels for the layers of every mlx-lm model, switched in with no model edits:
 
-- `quantized_matmul` for `nn.QuantizedLinear` and `nn.QuantizedEmbedding.as_linear` (the tied lm_head);
+- `quantized_matmul` for `nn.QuantizedLinear` and `nn.QuantizedEmbedding.as_linear` (the tied lm_head),
+  and `quantized_embedding` for `nn.QuantizedEmbedding`'s lookup;
 - the same for the tensor-parallel quantized layers mlx-lm's `model.shard` puts in their place;
 - `rms_norm` for `nn.RMSNorm` and `rope` for `nn.RoPE` (integer offsets): on the CPU MLX runs its fast
   ops as composed fallbacks, 11 and 29 primitives a call, two of each per layer: most of a decode
@@ -10,7 +11,10 @@
 - llama's decoder block (`LLAMA_BLOCKS`) as one Python frame, the layers above called inline: the same
   ops, built with less Python.
 - q/k/v (the flat block) and gate/up (the SwiGLU MLPs) as one packed product each
-  (`PackedProjections`): fewer products a step, the same bits.
+  (`PackedProjections`): fewer products a step, the same bits. In the flat block the ops around the
+  products go into them (the norms before, the residual adds after) and one kernel makes the packed
+  q/k/v product into rotated q and k and v (`split_heads_rope`): ten primitives a layer's decode step
+  (mlx-lm's call on MLX's CPU ops builds ~130).
 
 Decode is a matrix-vector product per layer: MLX's CPU `quantized_matmul` unpacks every weight to a
 float first, and dequantized float32 weights move 4x the bytes. The kernel (csrc/kernels/
@@ -37,6 +41,7 @@ from ._native import _ext
 
 KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
+LOOKUP_BITS = (2, 3, 4, 5, 6, 8)  # the embedding lookup's (its dequantize's) formats
 # Rows of x up to which the layers take the integer-dot kernel (decode, batches); longer inputs
 # dequantize + GEMM. The C++ default (QMM_MAX_ROWS, where the measurement is); a module setting so
 # that a test can push whole prompts through the kernel.
@@ -52,19 +57,30 @@ def quantized_matmul(
     group_size: int,
     bits: int,
     max_rows: Optional[int] = None,
+    norm_weight: Optional[mx.array] = None,
+    norm_eps: Optional[float] = None,
+    residual: Optional[mx.array] = None,
+    swiglu: bool = False,
     stream=None,
 ) -> mx.array:
     """x @ W^T for W = (w, scales, biases) as `mx.quantize(W, group_size, bits)` returns it, like
     `mx.quantized_matmul(..., transpose=True)`. x: (..., K) float32/float16/bfloat16; bits 4 or 8;
     group_size 32, 64 or 128. CPU streams run the integer-dot kernel when x has at most `max_rows`
     rows (default 32), else dequantize + matmul (also what other streams run). The kernel rounds x to
-    int8 per 32 values: relative error ~ 1 / 254 of each block's largest |x| per term."""
+    int8 per 32 values: relative error ~ 1 / 254 of each block's largest |x| per term.
+
+    The ops around a decoder layer's products, in the same primitive and with the same bits as the
+    ops one by one: with `norm_eps`, the product of `mx.fast.rms_norm(x, norm_weight, norm_eps)`;
+    with `swiglu`, x (..., 2K) is a packed gate/up product and the product is of `swiglu(gate, up)`;
+    with `residual` (the product's shape), `residual + x @ W^T`."""
     for name, v in (("group_size", group_size), ("bits", bits)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{name} must be an integer, got {v!r}")
     if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0):
         raise ValueError(f"max_rows must be None or an integer >= 0, got {max_rows!r}")
-    return _ext.quantized_matmul(x, w, scales, biases, group_size, bits, -1 if max_rows is None else max_rows, stream)
+    return _ext.quantized_matmul(x, w, scales, biases, group_size, bits, -1 if max_rows is None else max_rows,
+                                 norm_weight, None if norm_eps is None else float(norm_eps), residual, bool(swiglu),
+                                 stream=stream)
 
 
 def _kernel_format(layer) -> bool:
@@ -93,6 +109,19 @@ def rope(x: mx.array, dims: int, *, traditional: bool, base: float, scale: float
     return _ext.rope(x, int(dims), bool(traditional), float(base), float(scale), offset, stream)
 
 
+def split_heads_rope(x: mx.array, heads, head_dim: int, *, rotated: int, dims: int, traditional: bool = False,
+                     base: float = 10000.0, scale: float = 1.0, offset: int = 0, stream=None) -> list:
+    """A packed projection of groups of heads as the attention's arrays: x (B, L, sum(heads) * head_dim)
+    holds the groups side by side (a packed q/k/v product, heads = [n_heads, n_kv_heads, n_kv_heads]);
+    returns one (B, heads[i], L, head_dim) array per group, the first `rotated` through
+    `mx.fast.rope(..., dims, traditional=, base=, scale=, offset=)`. One kernel on CPU streams (the
+    reshape, transpose, splits and RoPE calls elsewhere), with the same bits as `rope` of each group."""
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise ValueError(f"offset must be an integer, got {offset!r}")
+    return _ext.split_heads_rope(x, [int(h) for h in heads], int(head_dim), int(rotated), int(dims), bool(traditional),
+                                 float(base), float(scale), offset, stream)
+
+
 def swiglu(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:
     """`gate * mx.sigmoid(gate) * up` (mlx-lm's `swiglu`), one kernel on CPU streams (float32 math,
     rounded once). gate and up have one shape and one float dtype."""
@@ -115,6 +144,14 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+_MLX_RUNS_LAYER_KERNELS = mlx_has_layer_kernels()
+
+
+def _runs_kernel(layer, ours, mlx_class) -> bool:
+    """Whether `layer`'s CPU call is the kernel: our class, or MLX's where this MLX runs the kernels."""
+    return type(layer) is ours or (type(layer) is mlx_class and _MLX_RUNS_LAYER_KERNELS)
+
+
 # The kernel classes' calls on a CPU stream, one function each: the classes below call them, and so do
 # the flat llama blocks, which skip the classes' own call (FlatLlamaBlock).
 
@@ -131,7 +168,7 @@ def _rope_on_cpu(layer, x, offset):
 
 def _packed_matmul(layer, x):
     """x @ W^T of a quantized layer's packed weights through the integer-dot kernel."""
-    return _ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits, KERNEL_MAX_ROWS, None)
+    return _ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits, KERNEL_MAX_ROWS)
 
 
 def _quantized_linear_on_cpu(layer, x):
@@ -162,8 +199,21 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         return _quantized_linear_on_cpu(self, x) if _on_cpu() else super().__call__(x)
 
 
-class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose `as_linear` (a tied lm_head) runs the integer-dot kernel on CPU."""
+class QuantizedEmbeddingLookup(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose lookup is one kernel on CPU: MLX gathers the packed rows and
+    dequantizes them with ~36 primitives, each paying a decode step's dispatch. MLX has no op for it,
+    so this class also comes with MLX's own layers (use_cpu_layer_kernels(mlx_layers=True))."""
+
+    def __call__(self, x):
+        if not (_on_cpu() and getattr(self, "mode", "affine") == "affine" and self.get("biases") is not None
+                and self.bits in LOOKUP_BITS and self.group_size in KERNEL_GROUP_SIZES
+                and x.dtype in (mx.int32, mx.uint32)):
+            return super().__call__(x)
+        return _ext.quantized_embedding(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, None)
+
+
+class KernelQuantizedEmbedding(QuantizedEmbeddingLookup):
+    """The lookup's kernel, and `as_linear` (a tied lm_head) by the integer-dot kernel on CPU."""
 
     def as_linear(self, x):
         if not _kernel_handles(self):
@@ -254,10 +304,17 @@ class PackedProjections:
                 return False
         return True
 
-    def product(self, x):
-        """The packed product: every layer's output, in layer order along the last axis."""
+    def product(self, x, norm=None):
+        """The packed product: every layer's output, in layer order along the last axis. Of norm(x) for
+        an RMSNorm layer `norm` (a block's norm before its projections), which the kernel applies to x
+        itself where the norm's call is the kernel: one primitive where there were two, the same bits."""
+        if norm is not None:
+            if _runs_kernel(norm, KernelRMSNorm, nn.RMSNorm):
+                return _ext.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits,
+                                             KERNEL_MAX_ROWS, norm["weight"], norm.eps)
+            x = _norm(norm, x)
         if self.our_layers:
-            return _ext.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, KERNEL_MAX_ROWS, None)
+            return _ext.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, KERNEL_MAX_ROWS)
         return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits)
 
     def __call__(self, x):
@@ -319,18 +376,33 @@ def _rope(layer, x, offset):
     return _rope_on_cpu(layer, x, offset) if type(layer) is KernelRoPE else layer(x, offset=offset)
 
 
-def _swiglu_mlp(mlp, x):
-    """A KernelSwiGLU MLP's call on a CPU stream."""
+def _product(layer, x, residual=None, *, swiglu=False):
+    """layer(x), or with swiglu layer(swiglu of x's halves: a packed gate/up product), plus residual
+    (None: nothing). Where the layer's call is the integer-dot kernel the swiglu and the add are done
+    in the product's primitive, with the same bits: one primitive where there were up to three."""
+    if ((swiglu or residual is not None) and _runs_kernel(layer, KernelQuantizedLinear, nn.QuantizedLinear)
+            and _kernel_format(layer) and "bias" not in layer and x.size <= KERNEL_MAX_ROWS * x.shape[-1]):
+        return _ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits,
+                                     KERNEL_MAX_ROWS, None, None, residual, swiglu)
+    y = _linear(layer, _ext.swiglu_halves(x, None) if swiglu else x)
+    return y if residual is None else residual + y
+
+
+def _swiglu_mlp(mlp, x, norm=None, residual=None):
+    """A KernelSwiGLU MLP's call on a CPU stream: of norm(x) for an RMSNorm layer `norm` (the block's
+    norm before it), plus `residual`; each fused into a product where the layers allow."""
     gate_proj, up_proj = mlp["gate_proj"], mlp["up_proj"]
     packed = _packed(mlp, "_packed_gate_up", x, gate_proj, up_proj)
-    if packed and packed.rows[0] == packed.rows[1]:  # the kernel reads gate and up in place: no split in the graph
-        return _linear(mlp["down_proj"], _ext.swiglu_halves(packed.product(x), None))
+    if packed and packed.rows[0] == packed.rows[1]:  # the kernels read gate and up in place: no split in the graph
+        return _product(mlp["down_proj"], packed.product(x, norm), residual, swiglu=True)
+    if norm is not None:
+        x = _norm(norm, x)
     gate, up = packed(x) if packed else (_linear(gate_proj, x), _linear(up_proj, x))
     if gate.dtype != up.dtype or gate.shape != up.shape:  # the kernel's domain; mlx-lm's own otherwise
         from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
-        return _linear(mlp["down_proj"], mlx_lm_swiglu(gate, up))
-    return _linear(mlp["down_proj"], _ext.swiglu(gate, up, None))
+        return _product(mlp["down_proj"], mlx_lm_swiglu(gate, up), residual)
+    return _product(mlp["down_proj"], _ext.swiglu(gate, up, None), residual)
 
 
 class FlatLlamaBlock:
@@ -349,25 +421,31 @@ class FlatLlamaBlock:
         if type(attn) is not llama.Attention or not isinstance(mlp, llama.MLP) or not _on_cpu():
             return super().__call__(x, mask, cache)
         B, L, _ = x.shape
-        h = _norm(self["input_layernorm"], x)
-        q_proj, k_proj, v_proj = attn["q_proj"], attn["k_proj"], attn["v_proj"]
-        packed = _packed(self, "_packed_qkv", h, q_proj, k_proj, v_proj)
-        rope = attn["rope"]
+        norm, rope = self["input_layernorm"], attn["rope"]
+        packed = _packed(self, "_packed_qkv", x, attn["q_proj"], attn["k_proj"], attn["v_proj"])
+        heads = [attn.n_heads, attn.n_kv_heads, attn.n_kv_heads]
         d = packed.rows[0] // attn.n_heads if packed else 0  # the head dimension
-        if L == 1 and cache is not None and packed and packed.rows == [attn.n_heads * d, attn.n_kv_heads * d, attn.n_kv_heads * d]:
-            # A decode step, q/k/v packed: (B, 1, heads * D) is (B, heads, 1, D) in the same order. q and k
-            # are rotated by one RoPE call over their heads together (the same position, so the same
-            # angles and bits): 4 primitives (a reshape, two splits, a RoPE) where there were 6 (a
-            # split, 3 reshapes, 2 RoPEs); each costs ~8 µs of a 2-core decode step (docs/cpu-decode.md).
-            rotated, values = mx.split(packed.product(h).reshape(B, -1, 1, d), [attn.n_heads + attn.n_kv_heads], axis=1)
-            queries, keys = mx.split(_rope(rope, rotated, cache.offset), [attn.n_heads], axis=1)
-            keys, values = cache.update_and_fetch(keys, values)
+        offset = cache.offset if cache is not None else 0
+        if (packed and packed.rows == [n * d for n in heads] and isinstance(offset, int)
+                and _runs_kernel(rope, KernelRoPE, nn.RoPE)):
+            # q/k/v packed: the norm is applied inside the product, and one kernel makes the product's
+            # (B, L, heads * D) into q, k and v as (B, heads, L, D), q and k rotated (the same
+            # angles and bits as RoPE calls on each): 2 primitives where there were 7 (a norm, a
+            # product, a reshape, two splits, a RoPE; before packing, 10). Each costs ~8 µs of a
+            # 2-core decode step (docs/cpu-decode.md).
+            queries, keys, values = _ext.split_heads_rope(packed.product(x, norm), heads, d, 2, rope.dims, rope.traditional,
+                                                          rope.base, rope.scale, offset, None)
+            if cache is not None:
+                keys, values = cache.update_and_fetch(keys, values)
         else:
-            queries, keys, values = self._projected(attn, packed, h, rope, cache)
+            queries, keys, values = self._projected(attn, packed, _norm(norm, x), rope, cache)
         out = llama.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
-        h = x + _linear(attn["o_proj"], out.reshape(B, 1, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        normed = _norm(self["post_attention_layernorm"], h)
-        return h + (_swiglu_mlp(mlp, normed) if isinstance(mlp, KernelSwiGLU) else mlp(normed))
+        out = out.reshape(B, 1, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        h = _product(attn["o_proj"], out, x)  # the residual add inside o_proj's product
+        post_norm = self["post_attention_layernorm"]
+        if isinstance(mlp, KernelSwiGLU):
+            return _swiglu_mlp(mlp, h, post_norm, h)
+        return h + mlp(_norm(post_norm, h))
 
     @staticmethod
     def _projected(attn, packed, h, rope, cache):
@@ -411,7 +489,9 @@ KERNEL_CLASSES = {
     QuantizedAllToShardedLinear: KernelQuantizedAllToShardedLinear,
     QuantizedShardedToAllLinear: KernelQuantizedShardedToAllLinear,
 }
-_STOCK_CLASSES = {ours: stock for stock, ours in KERNEL_CLASSES.items()}
+# With MLX's own layers (mlx_layers=True): the ops MLX has none for.
+_MLX_LAYERS_CLASSES = {nn.QuantizedEmbedding: QuantizedEmbeddingLookup}
+_STOCK_CLASSES = {ours: stock for table in (KERNEL_CLASSES, _MLX_LAYERS_CLASSES) for stock, ours in table.items()}
 
 
 def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True, *, mlx_layers: bool = False) -> int:
@@ -419,10 +499,11 @@ def use_cpu_layer_kernels(model: nn.Module, enabled: bool = True, *, mlx_layers:
     LLAMA_BLOCKS modules to the kernel subclasses above (enabled=True) or back to their own classes
     (enabled=False), in place; returns how many modules changed. Only this model is affected, except
     that packing its projections (PackedProjections) empties MLX's buffer cache.
-    mlx_layers: keep MLX's norm, RoPE and quantized layers (the fork's MLX runs them on the kernels)."""
+    mlx_layers: keep MLX's norm, RoPE and quantized layers (the fork's MLX runs them on the kernels);
+    a quantized embedding's lookup still takes its kernel (QuantizedEmbeddingLookup)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"use_cpu_layer_kernels needs an mlx.nn.Module, got {type(model).__name__}")
-    table = {} if enabled and mlx_layers else KERNEL_CLASSES if enabled else _STOCK_CLASSES
+    table = _MLX_LAYERS_CLASSES if enabled and mlx_layers else KERNEL_CLASSES if enabled else _STOCK_CLASSES
     changed = 0
     for _, module in model.named_modules():
         cls = type(module)
