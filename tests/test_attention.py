@@ -97,6 +97,24 @@ def test_leading_rows_read_in_place(dtype, mask_kind):
         np.testing.assert_array_equal(_f64(a), _f64(b))
 
 
+def test_dense_rows_segments_read_buffers_in_place():
+    """DenseRows(buffer, n) as a segment's K or V (what an h2o store's dense rows attend as): bit for
+    bit the call on the buffers' slices, alone and after another segment; a bad row count is an error."""
+    from mlx_h2o.attention import DenseRows, attention_with_scores
+
+    rng = np.random.default_rng(14)
+    q, k, v = make_inputs(rng, 1, 6, 2, 1, 90, 64, mx.float32)
+    _, k0, v0 = make_inputs(rng, 1, 6, 2, 1, 30, 64, mx.float32)
+    for segments, sliced in [([(DenseRows(k, 70), DenseRows(v, 70))], [(k[:, :, :70], v[:, :, :70])]),
+                             ([(k0, v0), (DenseRows(k, 55), DenseRows(v, 55))], [(k0, v0), (k[:, :, :55], v[:, :, :55])])]:
+        for a, b in zip(attention_with_scores(q, segments, scale=0.125), attention_with_scores(q, sliced, scale=0.125)):
+            np.testing.assert_array_equal(_f64(a), _f64(b))
+    with pytest.raises(ValueError, match="rows"):
+        mx.eval(attention_with_scores(q, [(DenseRows(k, 91), DenseRows(v, 91))], scale=0.125)[0])
+    with pytest.raises(ValueError, match="rows must be an integer"):
+        attention_with_scores(q, [(DenseRows(k, 1.5), DenseRows(v, 2))], scale=0.125)
+
+
 @pytest.mark.parametrize("rows", [-1, 191, 1.5, True])
 def test_bad_leading_rows(rows):
     q, k, v = make_inputs(np.random.default_rng(0), 1, 2, 1, 1, 190, 64, mx.float32)

@@ -16,6 +16,7 @@ __version__ = "0.3.0"
 
 # public name -> the module that defines it (imported on first access: PEP 562)
 _EXPORTS = {
+    "DenseRows": ".attention",
     "PackedKV": ".attention",
     "attention_with_scores": ".attention",
     "quantized_scaled_dot_product_attention_with_scores": ".attention",

@@ -81,13 +81,23 @@ class PackedKV(NamedTuple):
         return whole if self.rows is None else tuple(a[:, :, : self.rows] for a in whole)
 
 
+class DenseRows(NamedTuple):
+    """The first `rows` rows of a dense K or V buffer (B, H, capacity, D), read in place: what a cache
+    attends over where its slice of the buffer would add a primitive to every decode step."""
+
+    buffer: mx.array
+    rows: int
+
+
 def _segment_source(x, what):
     """(arrays, bits, group_size, rows) of one K or V, as the extension's op takes it (rows -1: all)."""
     if isinstance(x, mx.array):
         return [x], 0, 0, -1
     if isinstance(x, PackedKV):
         return [x.packed, x.scales, x.biases], x.bits, x.group_size, -1 if x.rows is None else _check_int(x.rows, "rows")
-    raise ValueError(f"{what} must be an mx.array or a PackedKV, got {type(x).__name__}")
+    if isinstance(x, DenseRows):
+        return [x.buffer], 0, 0, _check_int(x.rows, "rows")
+    raise ValueError(f"{what} must be an mx.array, a PackedKV or DenseRows, got {type(x).__name__}")
 
 
 def _triple(x, name):
@@ -156,7 +166,7 @@ def quantized_scaled_dot_product_attention_with_scores(
 
 def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="mass", sinks=None, composed=False,
                           q_rotation=None, out_rotation=None, stream=None):
-    """Attention over several K/V segments taken in order, each an mx.array or a `PackedKV` (e.g.
+    """Attention over several K/V segments taken in order, each an mx.array, a `PackedKV` or `DenseRows` (e.g.
     8-bit heavy hitters + a 4-bit recent window, or packed storage + a full-precision residual
     window), without concatenating them. Scores cover the concatenated positions.
     composed=True runs the stock-MLX-ops definition instead of the fused kernel.

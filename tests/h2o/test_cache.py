@@ -25,6 +25,32 @@ def _h2o_layers(cache):
     return [c for c in cache if isinstance(c, H2OKVCache)]
 
 
+def test_a_decode_step_reads_dense_rows_in_place():
+    """A dense h2o store's rows reach the fused kernel as its buffers (DenseRows), not as the slices
+    update_and_fetch hands the model: two primitives fewer a layer in a decode step that evicts
+    nothing, the same logits."""
+    from mlx_h2o.evaluation.speed import graph_primitives
+    from mlx_h2o.storage.kv import KVStore
+
+    model = tiny_model("llama")
+
+    def step():
+        cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=64)
+        mx.eval(model(mx.array([list(range(1, 21))]), cache=cache))
+        out = model(mx.array([[5]]), cache=cache)
+        return graph_primitives(out).get("Slice", 0), np.array(out)
+
+    slices, in_place = step()
+    attended = KVStore.attended
+    try:
+        KVStore.attended = lambda self, fetched: None  # attention reads the slices instead
+        slices_then, sliced = step()
+    finally:
+        KVStore.attended = attended
+    assert slices_then - slices == 2 * len(model.layers)
+    np.testing.assert_array_equal(in_place, sliced)
+
+
 # ----------------------------------------------------------------------------- the evicted layout
 class SeedOffsetBug(H2OKVCache):
     """The MLX seed's bug: the logical offset reset to the physical length after eviction."""

@@ -62,6 +62,12 @@ class KVStorage(ABC):
     def segments(self) -> list:
         """[(k, v)] in row order, each an mx.array or a PackedKV: what the fused kernel reads."""
 
+    def attended(self, fetched) -> Optional[list]:
+        """The segments attention reads in place of `fetched`, when that is the (keys, values) pair
+        `fetch` returned: its dense rows as their buffers (DenseRows), so that the two slices stay out
+        of a decode step's graph. None for anything else (attention then reads `fetched`)."""
+        return None
+
     @abstractmethod
     def read_rows(self) -> Tuple[mx.array, mx.array]:
         """Every row's (keys, values) as dense float32 arrays in row order, in the stored space (for
@@ -286,6 +292,14 @@ class KVStore(KVStorage):
         if self.k.bits is None and self.v.bits is None and not self.shared:
             return self.k.view(self.length), self.v.view(self.length)
         return super().fetch()
+
+    def attended(self, fetched) -> Optional[list]:
+        n = self._length
+        if self.shared or not n or self.k.bits is not None or self.v.bits is not None:
+            return None
+        if fetched[0] is not self.k.view(n) or fetched[1] is not self.v.view(n):
+            return None
+        return [(self.k.in_place(n), self.v.in_place(n))]
 
     def joined(self) -> Tuple[mx.array, mx.array]:
         """Every row of a dense store as (keys, values) arrays, shared and own joined (a new array

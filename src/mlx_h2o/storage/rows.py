@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .._native import _ext
-from ..attention import PackedKV
+from ..attention import DenseRows, PackedKV
 
 GROW_STEP = 256  # rows added when a buffer grows without a stated capacity (as mlx-lm's caches do)
 # Packed formats whose new rows one primitive centres, rotates, quantizes and writes (_ext.quantize_rows_into):
@@ -173,6 +173,11 @@ class RowStore:
                 view = PackedKV(*self.arrays, self.bits, self.group_size, n)
             self._view = (n, view)
         return self._view[1]
+
+    def in_place(self, n: int):
+        """The first n rows as attention reads them without a slice: DenseRows of a dense buffer, the
+        packed view of packed ones."""
+        return self.view(n) if self.bits is not None else DenseRows(self.arrays[0], n)
 
     def nbytes(self, n: int) -> int:
         return 0 if self.arrays is None else sum(a[:, :, :n].nbytes for a in self.arrays)

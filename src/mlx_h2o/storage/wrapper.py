@@ -32,6 +32,9 @@ class KVWrapper(KVStorage):
     def segments(self) -> list:
         return self.inner.segments()
 
+    def attended(self, fetched):
+        return self.inner.attended(fetched)
+
     def fetch(self):
         return self.inner.fetch()
 

@@ -68,7 +68,9 @@ class Lane:
             archived = self.archive.segments() if self.archive is not None else []
             if own is None:
                 return archived + self.store.segments()
-            return archived + (own[0] if isinstance(own[0], list) else [own])
+            if isinstance(own[0], list):
+                return archived + own[0]
+            return archived + (self.store.attended(own) or [own])  # the store's buffers in place of its slices
 
         segments = collect(own)
         if len(segments) > MAX_SEGMENTS:  # rows shared with copies come in pieces (storage/kv.py): join them
