@@ -110,6 +110,8 @@ mx::array quantized_matmul_composed(const mx::array& x, const mx::array& w, cons
 namespace {
 
 // The swiglu or norm and the residual of a fused product as the ops they stand for, around `product`.
+// fast_norm: the norm as mx.fast.rms_norm (the definition, which derivatives come from) rather than
+// the extension's kernel (what long inputs run on the CPU).
 mx::array fused_composed(const mx::array& x, bool swiglu, const std::optional<mx::array>& norm_weight,
                          std::optional<float> norm_eps, const std::optional<mx::array>& residual, bool fast_norm,
                          const std::function<mx::array(const mx::array&)>& product, mx::StreamOrDevice s) {
