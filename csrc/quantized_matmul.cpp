@@ -36,6 +36,13 @@ int check_weights(const mx::array& w, const mx::array& scales, const mx::array& 
   return K;
 }
 
+// Checks W for the dequantizing ops (dequantize_affine, quantized_embedding: bits 2-8); returns K.
+int check_dequantized_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                              int bits) {
+  if (bits < 2 || bits > 8 || bits == 7) fail("bits must be one of 2, 3, 4, 5, 6, 8, got " + std::to_string(bits));
+  return check_weights(w, scales, biases, group_size, bits);
+}
+
 // Checks the arguments of quantized_matmul; returns K (x's last axis, or half of it for a packed
 // gate/up product whose swiglu is the product's input).
 int check_args(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
@@ -69,8 +76,7 @@ PackedWeights packed_weights(const mx::array& w, const mx::array& sc, const mx::
 
 mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                             int bits, mx::Dtype dtype, mx::StreamOrDevice s) {
-  if (bits < 2 || bits > 8 || bits == 7) fail("bits must be one of 2, 3, 4, 5, 6, 8, got " + std::to_string(bits));
-  const int K = check_weights(w, scales, biases, group_size, bits);
+  const int K = check_dequantized_weights(w, scales, biases, group_size, bits);
   if (!is_float_dtype(dtype)) fail("dtype must be float32, float16 or bfloat16");
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu)
@@ -82,8 +88,7 @@ mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const m
 
 mx::array quantized_embedding(const mx::array& indices, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
-  if (bits < 2 || bits > 8 || bits == 7) fail("bits must be one of 2, 3, 4, 5, 6, 8, got " + std::to_string(bits));
-  const int K = check_weights(w, scales, biases, group_size, bits);
+  const int K = check_dequantized_weights(w, scales, biases, group_size, bits);
   if (indices.dtype() != mx::int32 && indices.dtype() != mx::uint32)
     fail("indices must be int32 or uint32 token ids");
   auto stream = mx::to_stream(s);

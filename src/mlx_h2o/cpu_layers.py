@@ -83,11 +83,12 @@ def quantized_matmul(
                                  stream=stream)
 
 
-def _kernel_format(layer) -> bool:
-    """Whether a quantized layer's weights are in the integer-dot kernel's formats."""
+def _kernel_format(layer, bits=KERNEL_BITS) -> bool:
+    """Whether a quantized layer's weights are in the integer-dot kernel's formats (or, with
+    bits=LOOKUP_BITS, the embedding lookup's)."""
     return (
         getattr(layer, "mode", "affine") == "affine"
-        and layer.bits in KERNEL_BITS
+        and layer.bits in bits
         and layer.group_size in KERNEL_GROUP_SIZES
         and layer.get("biases") is not None
     )
@@ -152,6 +153,13 @@ def _runs_kernel(layer, ours, mlx_class) -> bool:
     return type(layer) is ours or (type(layer) is mlx_class and _MLX_RUNS_LAYER_KERNELS)
 
 
+def _kernel_product(layer) -> bool:
+    """Whether a direct call of the integer-dot kernel on `layer`'s arrays gives its output (a packed
+    product, a product with fused ops): a quantized linear layer whose call is the kernel, in its
+    formats, without a bias."""
+    return _runs_kernel(layer, KernelQuantizedLinear, nn.QuantizedLinear) and _kernel_format(layer) and "bias" not in layer
+
+
 # The kernel classes' calls on a CPU stream, one function each: the classes below call them, and so do
 # the flat llama blocks, which skip the classes' own call (FlatLlamaBlock).
 
@@ -205,9 +213,7 @@ class QuantizedEmbeddingLookup(nn.QuantizedEmbedding):
     so this class also comes with MLX's own layers (use_cpu_layer_kernels(mlx_layers=True))."""
 
     def __call__(self, x):
-        if not (_on_cpu() and getattr(self, "mode", "affine") == "affine" and self.get("biases") is not None
-                and self.bits in LOOKUP_BITS and self.group_size in KERNEL_GROUP_SIZES
-                and x.dtype in (mx.int32, mx.uint32)):
+        if not (_on_cpu() and _kernel_format(self, LOOKUP_BITS) and x.dtype in (mx.int32, mx.uint32)):
             return super().__call__(x)
         return _ext.quantized_embedding(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, None)
 
@@ -287,9 +293,7 @@ class PackedProjections:
     @classmethod
     def of(cls, layers) -> Optional["PackedProjections"]:
         """The packed projections of `layers`, or None where one product cannot stand for them."""
-        kinds = {type(layer) for layer in layers}
-        kernel_layers = kinds == {KernelQuantizedLinear} or (kinds == {nn.QuantizedLinear} and mlx_has_layer_kernels())
-        if not kernel_layers or not all(_kernel_format(layer) and "bias" not in layer for layer in layers):
+        if len({type(layer) for layer in layers}) != 1 or not all(_kernel_product(layer) for layer in layers):
             return None
         first = layers[0]
         if any((layer.group_size, layer.bits, layer["weight"].shape[1:]) != (first.group_size, first.bits, first["weight"].shape[1:])
@@ -380,8 +384,7 @@ def _product(layer, x, residual=None, *, swiglu=False):
     """layer(x), or with swiglu layer(swiglu of x's halves: a packed gate/up product), plus residual
     (None: nothing). Where the layer's call is the integer-dot kernel the swiglu and the add are done
     in the product's primitive, with the same bits: one primitive where there were up to three."""
-    if ((swiglu or residual is not None) and _runs_kernel(layer, KernelQuantizedLinear, nn.QuantizedLinear)
-            and _kernel_format(layer) and "bias" not in layer and x.size <= KERNEL_MAX_ROWS * x.shape[-1]):
+    if (swiglu or residual is not None) and _kernel_product(layer) and x.size <= KERNEL_MAX_ROWS * x.shape[-1]:
         return _ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits,
                                      KERNEL_MAX_ROWS, None, None, residual, swiglu)
     y = _linear(layer, _ext.swiglu_halves(x, None) if swiglu else x)
