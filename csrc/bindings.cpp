@@ -68,6 +68,11 @@ NB_MODULE(_ext, m) {
       "number of bytes released; those elements' contents become unspecified (zero on Linux).\n"
       "`a` is evaluated first and must be row-contiguous. Releases nothing (returns 0) while another\n"
       "array shares the buffer or waits to read it, or where the OS cannot (not Linux).");
+  m.def("collapse_into_huge_pages", &mlx_h2o::collapse_into_huge_pages, "arrays"_a,
+        "Back the 2 MiB blocks that the arrays' buffers fill at least half of with transparent huge\n"
+        "pages now (Linux 6.1+: madvise MADV_HUGEPAGE then MADV_COLLAPSE); return the bytes collapsed.\n"
+        "For long-lived arrays read in full on every call, such as a model's weights. Contents and\n"
+        "addresses do not change; 0 where the OS cannot.");
   m.def("page_size", &mlx_h2o::page_size, "Bytes per page of the OS's virtual memory.");
   m.def("accumulate_prefix", &mlx_h2o::accumulate_prefix, "acc"_a, "x"_a, "alpha"_a, "beta"_a, "held"_a,
         "stream"_a = nb::none(),

@@ -7,6 +7,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <unistd.h>
 #if defined(__linux__)
@@ -19,6 +21,7 @@
 #endif
 
 #include "mlx/allocator.h"
+#include "mlx/transforms.h"
 
 namespace mlx_h2o {
 
@@ -183,6 +186,53 @@ size_t release_pages(mx::array& a, int axis, int64_t start) {
   }
   if (run_begin) released += discard_whole_pages(run_begin, run_end);
   return released;
+}
+
+size_t collapse_into_huge_pages(const std::vector<mx::array>& arrays) {
+  mx::eval(arrays);
+#if MLX_H2O_CAN_RELEASE_PAGES
+  constexpr uintptr_t huge = uintptr_t(2) << 20;
+  constexpr int madv_collapse = 25;  // <linux/mman.h>, Linux 6.1; older headers lack the name
+  // Each array's bytes as [begin, end), merged where they overlap (views of one buffer).
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  for (const auto& a : arrays) {
+    const size_t nbytes = a.data_size() * a.itemsize();
+    if (nbytes == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(a.data<char>());
+    spans.emplace_back(begin, begin + nbytes);
+  }
+  std::sort(spans.begin(), spans.end());
+  // Bytes of the arrays in each 2 MiB block. Only blocks they fill at least half of are collapsed:
+  // collapsing commits the whole block, so a block mostly of other (or unwritten) memory could
+  // cost more resident memory than its arrays.
+  std::vector<std::pair<uintptr_t, size_t>> filled;  // (block, bytes), blocks ascending
+  uintptr_t covered_to = 0;
+  for (auto [begin, end] : spans) {
+    begin = std::max(begin, covered_to);
+    if (begin >= end) continue;
+    covered_to = end;
+    for (uintptr_t block = round_down(begin, huge); block < end; block += huge) {
+      const size_t bytes = std::min(end, block + huge) - std::max(begin, block);
+      if (!filled.empty() && filled.back().first == block) {
+        filled.back().second += bytes;
+      } else {
+        filled.emplace_back(block, bytes);
+      }
+    }
+  }
+  size_t collapsed = 0;
+  for (const auto& [block, bytes] : filled) {
+    if (bytes < huge / 2) continue;
+    void* p = reinterpret_cast<void*>(block);
+    // Each block alone: one that is not all mapped, or not anonymous memory, fails by itself
+    // (ENOMEM / EINVAL) and is left as it is.
+    if (madvise(p, huge, MADV_HUGEPAGE) != 0) continue;
+    if (madvise(p, huge, madv_collapse) == 0) collapsed += huge;
+  }
+  return collapsed;
+#else
+  return 0;
+#endif
 }
 
 }  // namespace mlx_h2o

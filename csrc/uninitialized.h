@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -38,6 +39,16 @@ mx::array uninitialized(const mx::Shape& shape, mx::Dtype dtype, mx::StreamOrDev
  * (the result is 0) while another array shares the buffer or waits to read it (`a` is not
  * donatable), or where the platform cannot release pages (not Linux). */
 size_t release_pages(mx::array& a, int axis, int64_t start);
+
+/** Back the 2 MiB-aligned blocks that `arrays`' buffers fill at least half of with transparent huge
+ * pages, now (Linux: madvise MADV_HUGEPAGE, then MADV_COLLAPSE, kernel 6.1+); return the bytes of
+ * blocks collapsed. For long-lived arrays read in full on every call, a model's weights: a decode step
+ * streams them all, and on 4 KiB pages a translation miss every 4 KiB stalls the stream (measured:
+ * docs/cpu-decode.md, "Clean upper registers after every kernel, and the weights on huge pages").
+ * The arrays are evaluated first; their contents and
+ * addresses do not change. Returns 0 where the OS cannot (not Linux, THP off, an older kernel keeps
+ * only the hint). The blocks may hold other memory of the process besides the arrays. */
+size_t collapse_into_huge_pages(const std::vector<mx::array>& arrays);
 
 /** Bytes per page of the OS's virtual memory. */
 size_t page_size();

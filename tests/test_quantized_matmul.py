@@ -76,6 +76,25 @@ def test_4bit_blocks_in_eights_pairs_and_a_lone_block(group_size, K):
             check(x, mx.quantize(w.astype(sdtype), group_size=group_size, bits=4), group_size, 4)
 
 
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (8, 32), (8, 128)])
+def test_a_row_alone_and_among_rows_gives_the_same_bits(bits, group_size):
+    """One row of x (decode) runs the kernel's one-row code, several rows its four-, three- and two-row
+    code. Column counts of every remainder modulo 4 and 8, with and without a fused residual: the same
+    bits either way, so a token's logits do not depend on how many rows its call had."""
+    rng = np.random.default_rng(bits + group_size)
+    K = 576 if 576 % group_size == 0 else 640  # 18 blocks (two eights and a pair) or 20
+    for N in (4, 5, 38, 131):
+        wq = mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32) * 0.05), group_size=group_size, bits=bits)
+        x = mx.array(rng.standard_normal((1, 6, K)).astype(np.float32))
+        residual = mx.array(rng.standard_normal((1, 6, N)).astype(np.float32))
+        for kw in ({}, {"residual": residual}):
+            together = quantized_matmul(x, *wq, group_size=group_size, bits=bits, **kw)
+            alone = [quantized_matmul(x[:, i : i + 1], *wq, group_size=group_size, bits=bits,
+                                      **{k: v[:, i : i + 1] for k, v in kw.items()}) for i in range(6)]
+            np.testing.assert_array_equal(np.array(together), np.array(mx.concatenate(alone, axis=1)))
+        check(x[:, :1], wq, group_size, bits)
+
+
 def test_leading_axes_strided_x_and_scale_dtypes():
     rng = np.random.default_rng(1)
     w = mx.array(rng.standard_normal((96, 256)).astype(np.float32))

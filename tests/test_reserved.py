@@ -17,7 +17,7 @@ from mlx_lm.models import llama
 from mlx_h2o import _ext, make_cache
 from mlx_h2o.storage import ReservedBuffer
 from mlx_h2o.caches.reserved import ReservedKVCache
-from mlx_h2o.evaluation.memory import _current_rss_bytes, array_address, resident_bytes
+from mlx_h2o.evaluation.memory import _current_rss_bytes, array_address, memory_maps, resident_bytes
 
 PAGE = _ext.page_size()
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page release and mincore are Linux-only")
@@ -320,16 +320,7 @@ def test_bad_policy_sizes_are_clear_errors():
 @linux_only
 def _vma_flags(address: int):
     """VmFlags of the mapping holding `address` (/proc/self/smaps), or None."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    return None
+    return next((fields.get("VmFlags") for lo, hi, fields in memory_maps() if lo <= address < hi), None)
 
 
 @pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages")

@@ -36,6 +36,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear, sum_gradients
+from mlx.utils import tree_flatten
 
 from ._native import _ext
 
@@ -549,11 +550,28 @@ def _pack_projections(module, enabled: bool) -> bool:
 def use_default_cpu_kernels(model: nn.Module) -> int:
     """What `mlx_h2o.load()` and `run_mlx_lm` do to a model: on the CPU, every kernel on stock MLX; on the
     fork's MLX, which runs the norm, RoPE, quantized-layer and attention kernels itself, the SwiGLU MLPs
-    (MLX has no op for them) and the flat llama blocks only; off the CPU, nothing. Returns how many
-    modules changed."""
+    (MLX has no op for them) and the flat llama blocks only; then its weights onto huge pages
+    (`weights_on_huge_pages`). Off the CPU, nothing. Returns how many modules changed."""
     if not _on_cpu():
         return 0
-    return use_cpu_layer_kernels(model, mlx_layers=mlx_has_layer_kernels())
+    changed = use_cpu_layer_kernels(model, mlx_layers=mlx_has_layer_kernels())
+    weights_on_huge_pages(model)
+    return changed
+
+
+def weights_on_huge_pages(model: nn.Module) -> int:
+    """Move `model`'s parameters onto 2 MiB pages where the OS can (Linux 6.1+ with transparent huge
+    pages; elsewhere nothing): the same arrays, contents and addresses. Returns the bytes moved.
+
+    Why: a decode step reads every weight once, ~100 MB on the embedded model, and on 4 KiB pages each
+    4 KiB of that stream misses the TLB; the products read at a sixth of what a plain read of the cores
+    gets. Measured through `generate_step` at 512 tokens: a step 2-6 % shorter (docs/cpu-decode.md,
+    "Clean upper registers after every kernel, and the weights on huge pages"). Only this model's
+    memory: the 2 MiB blocks its arrays fill at least half of (`_ext.collapse_into_huge_pages`), with
+    no change to the C allocator or to other arrays."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"weights_on_huge_pages needs an mlx.nn.Module, got {type(model).__name__}")
+    return _ext.collapse_into_huge_pages([array for _, array in tree_flatten(model.parameters())])
 
 
 def cpu_layer_kernels_used(model: nn.Module) -> int:

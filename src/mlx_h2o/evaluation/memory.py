@@ -4,7 +4,7 @@ import ctypes
 import os
 import resource
 import sys
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -63,6 +63,27 @@ def array_address(a: mx.array) -> int:
     address = np.frombuffer(view, dtype=np.uint8).ctypes.data
     del view
     return address
+
+
+def memory_maps() -> List[Tuple[int, int, dict]]:
+    """This process's memory mappings, from /proc/self/smaps: (start, end, fields) each, with the
+    sizes in bytes by name ('Rss', 'AnonHugePages', ...) and 'VmFlags' as a list of flags. Empty
+    where there is no /proc/self/smaps (not Linux)."""
+    maps = []
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head, *rest = line.split()
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(x, 16) for x in head.split("-"))
+                    maps.append((start, end, {}))
+                elif maps and head == "VmFlags:":
+                    maps[-1][2]["VmFlags"] = rest
+                elif maps and rest and rest[-1] == "kB":
+                    maps[-1][2][head[:-1]] = int(rest[0]) * 1024
+    except OSError:
+        return []
+    return maps
 
 
 def resident_range(address: int, nbytes: int) -> Optional[int]:
