@@ -93,23 +93,14 @@ def reachable_arrays(model, cache):
 
 
 def smaps_regions(min_bytes):
-    """(Rss bytes, Private_Dirty bytes, mapping name) of every mapping with at least min_bytes resident."""
-    regions, current = [], None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            parts = line.split()
-            if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:  # a mapping's header line
-                current = {"name": parts[5] if len(parts) > 5 else "[anonymous]", "rss": 0, "dirty": 0}
-                regions.append(current)
-            elif parts[0] == "Rss:":
-                current["rss"] = int(parts[1]) * 1024
-            elif parts[0] == "Private_Dirty:":
-                current["dirty"] = int(parts[1]) * 1024
+    """(Rss bytes, Private_Dirty bytes, mapping name) per mapping name with at least min_bytes resident."""
+    from mlx_h2o.evaluation.memory import memory_maps
+
     grouped = {}
-    for r in regions:
-        g = grouped.setdefault(r["name"], [0, 0])
-        g[0] += r["rss"]
-        g[1] += r["dirty"]
+    for _, _, name, fields in memory_maps():
+        g = grouped.setdefault(name or "[anonymous]", [0, 0])
+        g[0] += fields.get("Rss", 0)
+        g[1] += fields.get("Private_Dirty", 0)
     return sorted(((rss, dirty, name) for name, (rss, dirty) in grouped.items() if rss >= min_bytes), reverse=True)
 
 

@@ -2,7 +2,7 @@
 before any kernel ran: the check for a kernel leaving the vector registers' upper halves dirty
 (csrc/kernels/run_entry.inc). MLX's scalar exp mixes SSE with libm's VEX fmaf, and with dirty upper
 halves every switch between them stalls: mx.logsumexp over a vocabulary of logits (what mlx-lm's
-`generate_step` runs every token) took 44x as long after a product before the fix.
+`generate_step` runs every token) took 44-47x as long after a product before the fix.
 
     python benchmarks/bench_mlx_after_kernels.py [--repeats 20]
 

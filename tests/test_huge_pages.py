@@ -31,7 +31,7 @@ def thp_available() -> bool:
 
 def huge_bytes_at(address: int, length: int) -> int:
     """Bytes of the mappings overlapping [address, address + length) on anonymous huge pages."""
-    return sum(fields.get("AnonHugePages", 0) for lo, hi, fields in memory_maps() if lo < address + length and address < hi)
+    return sum(fields.get("AnonHugePages", 0) for lo, hi, _, fields in memory_maps() if lo < address + length and address < hi)
 
 
 @pytest.mark.skipif(not thp_available(), reason="needs Linux 6.1+ with transparent huge pages")

@@ -320,7 +320,7 @@ def test_bad_policy_sizes_are_clear_errors():
 @linux_only
 def _vma_flags(address: int):
     """VmFlags of the mapping holding `address` (/proc/self/smaps), or None."""
-    return next((fields.get("VmFlags") for lo, hi, fields in memory_maps() if lo <= address < hi), None)
+    return next((fields.get("VmFlags") for lo, hi, _, fields in memory_maps() if lo <= address < hi), None)
 
 
 @pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages")

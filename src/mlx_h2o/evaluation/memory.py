@@ -65,9 +65,10 @@ def array_address(a: mx.array) -> int:
     return address
 
 
-def memory_maps() -> List[Tuple[int, int, dict]]:
-    """This process's memory mappings, from /proc/self/smaps: (start, end, fields) each, with the
-    sizes in bytes by name ('Rss', 'AnonHugePages', ...) and 'VmFlags' as a list of flags. Empty
+def memory_maps() -> List[Tuple[int, int, str, dict]]:
+    """This process's memory mappings, from /proc/self/smaps: (start, end, name, fields) each, the name
+    the mapped file's path (its first word) or a kernel label such as '[heap]' ('' for anonymous memory), the fields
+    the sizes in bytes by name ('Rss', 'AnonHugePages', ...) and 'VmFlags' as a list of flags. Empty
     where there is no /proc/self/smaps (not Linux)."""
     maps = []
     try:
@@ -76,11 +77,11 @@ def memory_maps() -> List[Tuple[int, int, dict]]:
                 head, *rest = line.split()
                 if "-" in head and not head.endswith(":"):
                     start, end = (int(x, 16) for x in head.split("-"))
-                    maps.append((start, end, {}))
+                    maps.append((start, end, rest[4] if len(rest) > 4 else "", {}))
                 elif maps and head == "VmFlags:":
-                    maps[-1][2]["VmFlags"] = rest
+                    maps[-1][3]["VmFlags"] = rest
                 elif maps and rest and rest[-1] == "kB":
-                    maps[-1][2][head[:-1]] = int(rest[0]) * 1024
+                    maps[-1][3][head[:-1]] = int(rest[0]) * 1024
     except OSError:
         return []
     return maps
