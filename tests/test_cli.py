@@ -45,6 +45,7 @@ def test_cli_generate_and_eval_with_h2o(smollm, tmp_path):
              "--pin-system")
     assert r.returncode == 0, r.stderr
     assert "KV cache (h2o):" in r.stderr and "deprecated" not in r.stderr
+    assert "(float16 rows)" in r.stderr  # the float32 model's rows, halved by default (storage.default_kv_dtype)
     out = tmp_path / "r.json"
     # two variants of one policy side by side; --kv-option reaches both, a variant's own options win
     r = _cli("eval", "--kv-policy", "full", "h2o:select=layer", "h2o:select=layer,score=ema", "--max-kv-size", "16",

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from attention_reference import check, randn, random_mask
 from decoding import step_logits, tokens
+from mlx.utils import tree_map_with_path
 from mlx_lm.models import cache as lm_cache
 
 import mlx_h2o
-from mlx_h2o import hook
+from mlx_h2o import hook, storage
 from mlx_h2o.attention import scaled_dot_product_attention_with_scores
 from mlx_h2o.caches.baseline import FUSED_CLASSES
 from tiny_models import tiny_model
@@ -132,3 +133,36 @@ def test_rotating_stores_rows_in_kv_dtype():
 def test_a_bad_kv_dtype_is_a_clear_error(value, policy):
     with pytest.raises(ValueError, match="kv_dtype must be one of 'float16', 'bfloat16', 'float32'"):
         mlx_h2o.make_cache(tiny_model("llama"), **policy, kv_dtype=value)
+
+
+@pytest.mark.default_kv_dtype
+@pytest.mark.parametrize("model_dtype, stored", [(mx.float32, mx.float16), (mx.bfloat16, mx.bfloat16), (mx.float16, mx.float16)])
+def test_unset_kv_dtype_halves_a_float32_models_rows_and_keeps_16_bit_rows_as_they_come(model_dtype, stored):
+    model = tiny_model("llama")
+    model.set_dtype(model_dtype)
+    x = tokens(60, seed=7, batch=1, vocab=101)
+    full = mlx_h2o.make_cache(model, "full")
+    rotating = mlx_h2o.make_cache(model, "rotating", max_kv_size=24)
+    h2o = mlx_h2o.make_cache(model, "h2o", max_kv_size=24)
+    for cache in (full, rotating, h2o):
+        step_logits(model, x, cache, prefill=30)
+    assert all(c.keys.dtype == stored and c.values.dtype == stored for c in full + rotating)
+    assert all(c.row_dtype == str(stored).split(".")[-1] for c in h2o)
+    # Asked for, float32 rows stay as mlx-lm keeps them.
+    wide = mlx_h2o.make_cache(model, "full", kv_dtype="float32")
+    step_logits(model, x, wide, prefill=30)
+    assert all(c.keys.dtype == mx.float32 for c in wide)
+
+
+@pytest.mark.default_kv_dtype
+def test_a_quantized_models_dtype_is_its_layers_not_its_scales():
+    """A GGUF keeps float16 scales and biases beside float32 norms, and its layers compute in float32."""
+    import mlx.nn as nn
+
+    model = tiny_model("llama", head_dim=64, hidden_size=128, intermediate_size=256)
+    nn.quantize(model, group_size=32, bits=4)
+    model.update(tree_map_with_path(lambda path, p: p.astype(mx.float16) if path.endswith(("scales", "biases")) else p,
+                                    model.parameters()))
+    assert storage.model_dtype(model) == mx.float32 and storage.default_kv_dtype(model) == "float16"
+    model.set_dtype(mx.bfloat16)
+    assert storage.model_dtype(model) == mx.bfloat16 and storage.default_kv_dtype(model) is None

@@ -113,6 +113,7 @@ def test_cli_generate_streams_and_reports(smollm):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "tokens-per-sec" in r.stderr and "KV cache (rotating): 32 tokens per layer" in r.stderr
+    assert "(float16 rows)" in r.stderr
 
 
 def test_cli_eval_json(smollm, tmp_path):

@@ -111,7 +111,12 @@ class Policy:
         return {k: self.option(k).parse(v) for k, v in texts.items()}
 
     def make(self, model, **options):
-        return self.build(model, **self.check_options(options))
+        checked = self.check_options(options)
+        if self.takes("kv_dtype") and checked["kv_dtype"] is None:
+            from .storage import default_kv_dtype
+
+            checked["kv_dtype"] = default_kv_dtype(model)
+        return self.build(model, **checked)
 
     def takes(self, name: str) -> bool:
         """Has an option called `name`."""

@@ -3,9 +3,10 @@
 "full": the model's default cache (`KVCache`, or whatever the model's `make_cache` builds).
 "rotating": `RotatingKVCache(max_kv_size, keep=4)`, the StreamingLLM-style sink + sliding window.
 
-Both store K/V rows in the model's dtype unless `kv_dtype` says otherwise. On the CPU the model
-computes in float32; `kv_dtype=float16` halves the cache, as llama.cpp's default f16 cache does, and
-the fused kernel reads the float16 rows as they are (docs/cpu-decode.md has the measurement).
+Both store K/V rows as `kv_dtype` says. Unset, that is float16 where the model computes in float32
+(on the CPU, the GGUF models; `storage.default_kv_dtype`): half the cache, as llama.cpp's default f16
+cache, and the fused kernel reads the float16 rows as they are (docs/cpu-decode.md has the
+measurement). `kv_dtype=float32` keeps them as mlx-lm's own KVCache does.
 
 Their `KVCache` / `RotatingKVCache` layers attend with the same fused CPU kernel as every other
 policy (no opt-in, so that `full` and `h2o` differ by what they keep, not by the kernel): the

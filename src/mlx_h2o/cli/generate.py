@@ -59,13 +59,26 @@ def cmd_generate(args) -> int:
     if response is None:
         return 0
     layers = [c for c in cache if hasattr(c, "size")]
-    tokens = max((c.size() for c in layers), default=0)
+    tokens = max((c.size() or getattr(c, "offset", 0) for c in layers), default=0)  # mlx-lm's QuantizedKVCache has no size()
     kv = sum(c.nbytes for c in cache)
     print("=" * 10, file=sys.stderr)
     print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens-per-sec", file=sys.stderr)
     print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec", file=sys.stderr)
     print(f"Peak memory: {response.peak_memory:.3f} GB", file=sys.stderr)
-    print(f"KV cache ({spec.policy}): {tokens} tokens per layer, {kv / 2**20:.2f} MiB in {len(cache)} layers", file=sys.stderr)
+    rows = _row_dtype(layers)
+    print(f"KV cache ({spec.policy}): {tokens} tokens per layer, {kv / 2**20:.2f} MiB in {len(cache)} layers"
+          + (f" ({rows} rows)" if rows else ""), file=sys.stderr)
     print(f"BLAS: {mlx_h2o.blas_backend()}; attention: {_attention_desc()}; layers: {_layers_desc(model)}; "
           f"large buffers: {allocator_description()}", file=sys.stderr)
     return 0
+
+
+def _row_dtype(layers):
+    """The dtype a cache's dense K/V rows are kept in ("float16"), or None where they are packed or unknown."""
+    for c in layers:
+        if getattr(getattr(getattr(c, "config", None), "storage", None), "kv_bits", None) is not None:
+            return None  # h2o's packed rows (row_dtype is what they are packed from)
+        dtype = getattr(c, "row_dtype", None) or getattr(getattr(c, "keys", None), "dtype", None)
+        if dtype is not None:
+            return str(dtype).rpartition(".")[2]
+    return None

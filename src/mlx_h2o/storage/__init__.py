@@ -11,7 +11,8 @@
 """
 
 from .columns import ColumnedKV
-from .kv import KV_DTYPE_HELP, KV_DTYPES, KVStorage, KVStore, SinkRowsKV, TieredKV, make_kv_storage, role_bits, stored_as
+from .kv import (KV_DTYPE_HELP, KV_DTYPES, KVStorage, KVStore, SinkRowsKV, TieredKV, default_kv_dtype, make_kv_storage, model_dtype,
+                 role_bits, stored_as)
 from .reserved import ReservedBuffer, check_capacity
 from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, CenteredKeysKV, KVRotation, RotatedKV
 from .rows import GROW_STEP, RowStore, check_group_size, flat_rows, gather_rows, grown_capacity, pad_indices
@@ -22,6 +23,8 @@ __all__ = [
     "DEFAULT_LAMBDA",
     "KV_DTYPE_HELP",
     "KV_DTYPES",
+    "default_kv_dtype",
+    "model_dtype",
     "GROW_STEP",
     "KVRotation",
     "KVStorage",

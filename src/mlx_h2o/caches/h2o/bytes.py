@@ -11,7 +11,8 @@ the same with only the newest 64 rows at 8 bits and a quarter of M for heavy hit
 passkey recall at both; and a float32 model's rows kept as float16 before packing, with a scale
 per 64 values, buy 18-29 % more entries for a lower perplexity at 205 and 256; keys stored less their
 mean, with the sink rows at 8 bits, lower it again at 205 and 256. Packed rows need a
-head dimension the group size divides (64, else 32); otherwise the rows stay in the model's dtype.
+head dimension the group size divides (64, else 32); otherwise the rows stay dense (in `kv_dtype`:
+unset, float16 for a float32 model, as in every policy).
 
 M is then the largest whose worst case fits the bytes (`layer_bound`): every row at its stored
 bits, the per-entry columns, the low tier's reservation and the high tier's window plus one step,

@@ -94,8 +94,9 @@ class Storage:
     rotate, rotate_lam:
         rotate K/V before packing, with an optional per-coordinate scale (storage/rotation.py).
     kv_dtype:
-        the dtype rows are kept in before any packing (unset: the model's, or under a byte budget the
-        rule's); packed rows' scales and biases take it too, and a byte budget counts its size.
+        the dtype rows are kept in before any packing (unset: float16 for a model computing in
+        float32, else the model's or under a byte budget the rule's); packed rows' scales and biases
+        take it too, and a byte budget counts its size.
     """
 
     kv_bits: Optional[str] = option(
@@ -112,7 +113,7 @@ class Storage:
     rotate: bool = option(Flag(), False, "rotate K/V (sign x Hadamard/DFT) before packing: better low-bit quality")
     rotate_lam: str = option(Choice(LAMBDA_MODES, ((None, "none"),)), DEFAULT_LAMBDA, "per-coordinate scale of the rotation")
     kv_dtype: Optional[str] = option(
-        Choice(KV_DTYPES), None, KV_DTYPE_HELP[:-1] + "; packed under a byte budget: float16 for a float32 model, the rule's)")
+        Choice(KV_DTYPES), None, KV_DTYPE_HELP[:-1] + "; packed under a byte budget: the rule's)")
 
     @property
     def group_size(self) -> int:
