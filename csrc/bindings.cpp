@@ -122,9 +122,9 @@ NB_MODULE(_ext, m) {
   m.def("rope", &mlx_h2o::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "stream"_a = nb::none(), "mx.fast.rope with an integer offset as one CPU kernel (Python API: mlx_h2o.rope).");
   m.def("split_heads_rope", &mlx_h2o::split_heads_rope, "x"_a, "heads"_a, "head_dim"_a, "rotated"_a, "dims"_a,
-        "traditional"_a, "base"_a, "scale"_a, "offset"_a, "stream"_a = nb::none(),
+        "traditional"_a, "base"_a, "scale"_a, "offset"_a, "dtypes"_a = std::vector<mx::Dtype>{}, "stream"_a = nb::none(),
         "A packed (B, L, sum(heads) * head_dim) projection as one (B, heads[i], L, head_dim) array per group,\n"
-        "the first `rotated` groups through rope: one CPU kernel.");
+        "the first `rotated` groups through rope, each in its dtype (dtypes; empty: x's): one CPU kernel.");
   m.def("swiglu", &mlx_h2o::swiglu, "gate"_a, "up"_a, "stream"_a = nb::none(),
         "gate * sigmoid(gate) * up (mlx-lm's swiglu) as one CPU kernel (Python API: mlx_h2o.swiglu).");
   m.def("swiglu_halves", &mlx_h2o::swiglu_halves, "x"_a, "stream"_a = nb::none(),

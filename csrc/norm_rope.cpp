@@ -117,10 +117,11 @@ bool RoPECPU::is_equivalent(const mx::Primitive& other) const {
 namespace {
 
 // The heads of x (B, L, H * head_dim) as (B, H, L, head_dim), split into the groups, the first
-// `rotated` through mx.fast.rope: split_heads_rope's definition.
+// `rotated` through mx.fast.rope, each cast to its dtype: split_heads_rope's definition.
 std::vector<mx::array> split_heads_rope_composed(const mx::array& x, const std::vector<int>& heads, int head_dim,
                                                  int rotated, int dims, bool traditional, float base, float scale,
-                                                 int offset, mx::StreamOrDevice s) {
+                                                 int offset, const std::vector<mx::Dtype>& dtypes,
+                                                 mx::StreamOrDevice s) {
   int total = 0;
   mx::Shape bounds;
   for (size_t i = 0; i < heads.size(); ++i) {
@@ -131,6 +132,8 @@ std::vector<mx::array> split_heads_rope_composed(const mx::array& x, const std::
   auto groups = mx::split(all, bounds, 1, s);
   for (int i = 0; i < rotated; ++i)
     groups[i] = mx::fast::rope(groups[i], dims, traditional, base, scale, offset, std::nullopt, s);
+  for (size_t i = 0; i < groups.size(); ++i)
+    if (groups[i].dtype() != dtypes[i]) groups[i] = mx::astype(groups[i], dtypes[i], s);
   return groups;
 }
 
@@ -138,7 +141,7 @@ std::vector<mx::array> split_heads_rope_composed(const mx::array& x, const std::
 
 std::vector<mx::array> split_heads_rope(const mx::array& x, const std::vector<int>& heads, int head_dim, int rotated,
                                         int dims, bool traditional, float base, float scale, int offset,
-                                        mx::StreamOrDevice s) {
+                                        const std::vector<mx::Dtype>& dtypes, mx::StreamOrDevice s) {
   if (x.ndim() != 3 || !is_float_dtype(x.dtype()))
     fail("x must be a float32, float16 or bfloat16 array (B, L, heads * head_dim), got shape " + shape_str(x.shape()));
   if (heads.empty()) fail("heads must name at least one group of heads");
@@ -154,14 +157,26 @@ std::vector<mx::array> split_heads_rope(const mx::array& x, const std::vector<in
     fail("rotated must be in [0, " + std::to_string(heads.size()) + "], got " + std::to_string(rotated));
   if (dims < 2 || dims % 2 || dims > head_dim)
     fail("dims must be even and in [2, head_dim = " + std::to_string(head_dim) + "], got " + std::to_string(dims));
+  if (!dtypes.empty() && dtypes.size() != heads.size())
+    fail("dtypes must be empty or give one dtype per group (" + std::to_string(heads.size()) + "), got " +
+         std::to_string(dtypes.size()));
+  for (const auto& d : dtypes) {
+    if (!is_float_dtype(d)) fail("every group's dtype must be float32, float16 or bfloat16");
+    // The kernel rounds its float32 result once: the bits of a cast where x is float32, not of a
+    // group first rounded to a 16-bit x's dtype and then cast.
+    if (d != x.dtype() && x.dtype() != mx::float32) fail("groups in another dtype than x's need float32 x");
+  }
+  auto out_dtypes = dtypes.empty() ? std::vector<mx::Dtype>(heads.size(), x.dtype()) : dtypes;
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu || x.size() == 0)
-    return split_heads_rope_composed(x, heads, head_dim, rotated, dims, traditional, base, scale, offset, stream);
+    return split_heads_rope_composed(x, heads, head_dim, rotated, dims, traditional, base, scale, offset, out_dtypes,
+                                     stream);
   std::vector<mx::Shape> shapes;
   for (int h : heads) shapes.push_back({x.shape(0), h, x.shape(1), head_dim});
-  return mx::array::make_arrays(
-      std::move(shapes), std::vector<mx::Dtype>(heads.size(), x.dtype()),
-      std::make_shared<SplitHeadsRoPE>(stream, heads, head_dim, rotated, dims, traditional, base, scale, offset), {x});
+  return mx::array::make_arrays(std::move(shapes), out_dtypes,
+                                std::make_shared<SplitHeadsRoPE>(stream, heads, head_dim, rotated, dims, traditional,
+                                                                 base, scale, offset, out_dtypes),
+                                {x});
 }
 
 void SplitHeadsRoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -170,7 +185,7 @@ void SplitHeadsRoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   const auto& x = in[0];
   // x (B, L, total * D) read as (B, total, L, D): one RoPE problem per run of groups, the rotated
   // groups' first two in one call (queries and keys: the angles computed once).
-  auto problem = [&](int first_head, int n_heads, int dims, void* out) {
+  auto problem = [&](int first_head, int n_heads, int dims, mx::array& out) {
     RoPEProblem p;
     p.B = x.shape(0);
     p.H = n_heads;
@@ -187,16 +202,18 @@ void SplitHeadsRoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     p.base = base_;
     p.scale = scale_;
     p.offset = offset_;
-    p.out = out;
-    p.out_type = elem_type(x.dtype());
+    p.out = out.data<void>();
+    p.out_type = elem_type(out.dtype());  // the kernel computes in float32 and rounds once to it
     return p;
   };
   std::vector<RoPEProblem> problems;
   int head = 0;
   for (size_t i = 0; i < heads_.size(); ++i) {
     const bool rotate = static_cast<int>(i) < rotated_;
-    if (rotate && i + 1 < heads_.size() && static_cast<int>(i + 1) < rotated_) {  // this group and the next in one call
-      auto p = problem(head, heads_[i] + heads_[i + 1], dims_, outputs[i].data<void>());
+    // this group and the next in one call (where they share a dtype)
+    if (rotate && i + 1 < heads_.size() && static_cast<int>(i + 1) < rotated_ &&
+        outputs[i].dtype() == outputs[i + 1].dtype()) {
+      auto p = problem(head, heads_[i] + heads_[i + 1], dims_, outputs[i]);
       p.out_tail = outputs[i + 1].data<void>();
       p.tail_from = heads_[i];
       problems.push_back(p);
@@ -204,7 +221,7 @@ void SplitHeadsRoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       ++i;
       continue;
     }
-    problems.push_back(problem(head, heads_[i], rotate ? dims_ : 0, outputs[i].data<void>()));
+    problems.push_back(problem(head, heads_[i], rotate ? dims_ : 0, outputs[i]));
     head += heads_[i];
   }
   enc.dispatch([problems = std::move(problems)]() {
@@ -218,13 +235,14 @@ void SplitHeadsRoPE::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 
 std::vector<mx::array> SplitHeadsRoPE::composed(const std::vector<mx::array>& inputs) {
   return split_heads_rope_composed(inputs[0], heads_, head_dim_, rotated_, dims_, traditional_, base_, scale_, offset_,
-                                   stream());
+                                   dtypes_, stream());
 }
 
 bool SplitHeadsRoPE::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const SplitHeadsRoPE&>(other);
   return heads_ == o.heads_ && head_dim_ == o.head_dim_ && rotated_ == o.rotated_ && dims_ == o.dims_ &&
-         traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_ && offset_ == o.offset_;
+         traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_ && offset_ == o.offset_ &&
+         dtypes_ == o.dtypes_;
 }
 
 std::vector<mx::Shape> SplitHeadsRoPE::output_shapes(const std::vector<mx::array>& inputs) {

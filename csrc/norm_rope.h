@@ -27,12 +27,16 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
  * A packed projection of groups of heads (a packed q/k/v product) as the attention's arrays: x (B, L,
  * sum(heads) * head_dim) holds `heads.size()` groups of heads side by side along its last axis; group
  * i comes out as (B, heads[i], L, head_dim), the first `rotated` groups through rope(..., dims,
- * traditional, base, scale, offset), the others as they are. On CPU streams one primitive where the
- * reshape, transpose, splits and RoPE calls were 4-10; elsewhere (and as its definition) those ops.
+ * traditional, base, scale, offset), the others as they are. `dtypes` (one per group, or empty: x's
+ * dtype for all) are the groups' output dtypes: a cache that keeps its rows in float16 gets its keys
+ * and values in float16 from here, where a cast of each would be two more primitives a layer.
+ * Groups in another dtype than x's need float32 x, and hold the bits of the float32 group cast to
+ * their dtype. On CPU streams one primitive where the reshape, transpose, splits,
+ * RoPE calls and casts were 4-12; elsewhere (and as its definition) those ops.
  */
 std::vector<mx::array> split_heads_rope(const mx::array& x, const std::vector<int>& heads, int head_dim, int rotated,
                                         int dims, bool traditional, float base, float scale, int offset,
-                                        mx::StreamOrDevice s = {});
+                                        const std::vector<mx::Dtype>& dtypes = {}, mx::StreamOrDevice s = {});
 
 class RMSNormCPU : public ComposedPrimitive {
  public:
@@ -70,9 +74,9 @@ class RoPECPU : public ComposedPrimitive {
 class SplitHeadsRoPE : public ComposedPrimitive {
  public:
   SplitHeadsRoPE(mx::Stream stream, std::vector<int> heads, int head_dim, int rotated, int dims, bool traditional,
-                 float base, float scale, int offset)
+                 float base, float scale, int offset, std::vector<mx::Dtype> dtypes)
       : ComposedPrimitive(stream), heads_(std::move(heads)), head_dim_(head_dim), rotated_(rotated), dims_(dims),
-        traditional_(traditional), base_(base), scale_(scale), offset_(offset) {}
+        traditional_(traditional), base_(base), scale_(scale), offset_(offset), dtypes_(std::move(dtypes)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
@@ -86,6 +90,7 @@ class SplitHeadsRoPE : public ComposedPrimitive {
   bool traditional_;
   float base_, scale_;
   int offset_;
+  std::vector<mx::Dtype> dtypes_;  // one per group
 };
 
 }  // namespace mlx_h2o

@@ -86,6 +86,9 @@ def _assert_same(model, policy, options):
 # (policy, options); packed rows need a head dim that is a multiple of 32
 POLICIES = [("full", {}), ("full", {"kv_dtype": "float16"}), ("rotating", {"max_kv_size": 32}),
             ("h2o", {"max_kv_size": 32}), ("h2o", {"max_kv_size": 48, "kv_bits": "4/8", "rotate": True}),
+            ("h2o", {"max_kv_size": 32, "kv_dtype": "float16"}),
+            ("h2o", {"max_kv_size": 48, "kv_bits": "4/8", "rotate": True, "center_keys": True, "kv_dtype": "float16"}),
+            ("h2o", {"max_kv_bytes": 40000}),  # float16 rows by its rule, the budget sized before them
             (None, {})]
 
 
@@ -265,3 +268,4 @@ def test_a_decode_step_is_four_products_and_five_other_primitives_a_layer(kv_dty
     assert counts["SliceUpdate"] == 2 * layers and "SwiGLUCPU" not in counts
     sliced = mlx_h2o.hook._MLX_SDPA_IS_FUSED and kv_dtype is None
     assert counts.get("Slice", 0) == (2 * layers if sliced else 0)
+    assert "AsType" not in counts  # float16 rows come out of SplitHeadsRoPE as the cache keeps them

@@ -112,6 +112,37 @@ def test_split_heads_rope_is_the_rotated_groups_of_a_packed_projection(tradition
             np.testing.assert_array_equal(np.array(g.astype(mx.float32)), np.array(part.astype(mx.float32)))
 
 
+def test_split_heads_rope_gives_each_group_in_its_dtype_with_the_bits_of_a_cast():
+    """dtypes: each group of float32 x as `.astype(its dtype)` of the float32 group, bit for bit (a
+    cache's float16 keys and values straight from the kernel), rotated pairs of two dtypes included."""
+    rng = np.random.default_rng(8)
+    for B, L, heads, D, rotated, dims, offset, dtypes in [
+            (1, 1, [9, 3, 3], 64, 2, 64, 511, [mx.float32, mx.float16, mx.float16]),
+            (2, 3, [4, 2, 2], 32, 2, 16, 7, [mx.float32, mx.bfloat16, mx.float16]),
+            (1, 4, [2, 1], 16, 2, 16, 0, [mx.float16, mx.float16]),
+            (1, 2, [2, 2, 1], 16, 0, 16, 3, [mx.bfloat16, mx.float32, mx.float16])]:
+        x = mx.array(rng.standard_normal((B, L, sum(heads) * D)).astype(np.float32))
+        args = dict(rotated=rotated, dims=dims, base=1e4, scale=1.0, offset=offset)
+        got = mlx_h2o.split_heads_rope(x, heads, D, dtypes=dtypes, **args)
+        each = mlx_h2o.split_heads_rope(x, heads, D, **args)
+        for g, e, want in zip(got, each, dtypes):
+            assert g.dtype == want
+            np.testing.assert_array_equal(np.array(g.astype(mx.float32)), np.array(e.astype(want).astype(mx.float32)))
+    with pytest.raises(ValueError, match="one dtype per group"):
+        mlx_h2o.split_heads_rope(x, heads, D, dtypes=[mx.float16], **args)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        mlx_h2o.split_heads_rope(x, heads, D, dtypes=[mx.int32] * len(heads), **args)
+    with pytest.raises(ValueError, match="list of mx dtypes"):
+        mlx_h2o.split_heads_rope(x, heads, D, dtypes=["float16", "float16"], **args)
+    with pytest.raises(ValueError, match="need float32 x"):
+        mlx_h2o.split_heads_rope(x.astype(mx.float16), heads, D, dtypes=[mx.float32] * len(heads), **args)
+    # the same dtypes as x's: as without them
+    same = mlx_h2o.split_heads_rope(x.astype(mx.bfloat16), heads, D, dtypes=[mx.bfloat16] * len(heads), **args)
+    plain = mlx_h2o.split_heads_rope(x.astype(mx.bfloat16), heads, D, **args)
+    for a, b in zip(same, plain):
+        np.testing.assert_array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+
+
 def test_split_heads_rope_gradient_and_bad_input():
     rng = np.random.default_rng(6)
     x = mx.array(rng.standard_normal((1, 2, 4 * 16)).astype(np.float32))

@@ -112,16 +112,19 @@ def rope(x: mx.array, dims: int, *, traditional: bool, base: float, scale: float
 
 
 def split_heads_rope(x: mx.array, heads, head_dim: int, *, rotated: int, dims: int, traditional: bool = False,
-                     base: float = 10000.0, scale: float = 1.0, offset: int = 0, stream=None) -> list:
+                     base: float = 10000.0, scale: float = 1.0, offset: int = 0, dtypes=None, stream=None) -> list:
     """A packed projection of groups of heads as the attention's arrays: x (B, L, sum(heads) * head_dim)
     holds the groups side by side (a packed q/k/v product, heads = [n_heads, n_kv_heads, n_kv_heads]);
     returns one (B, heads[i], L, head_dim) array per group, the first `rotated` through
-    `mx.fast.rope(..., dims, traditional=, base=, scale=, offset=)`. One kernel on CPU streams (the
-    reshape, transpose, splits and RoPE calls elsewhere), with the same bits as `rope` of each group."""
+    `mx.fast.rope(..., dims, traditional=, base=, scale=, offset=)`, and each group in its dtype of
+    `dtypes` (None: x's; the values of `.astype(dtype)` of the group). One kernel on CPU streams (the
+    reshape, transpose, splits, RoPE calls and casts elsewhere), with the same bits as those ops."""
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise ValueError(f"offset must be an integer, got {offset!r}")
+    if dtypes is not None and (not isinstance(dtypes, (list, tuple)) or not all(isinstance(d, mx.Dtype) for d in dtypes)):
+        raise ValueError(f"dtypes must be None or a list of mx dtypes, one per group, got {dtypes!r}")
     return _ext.split_heads_rope(x, [int(h) for h in heads], int(head_dim), int(rotated), int(dims), bool(traditional),
-                                 float(base), float(scale), offset, stream)
+                                 float(base), float(scale), offset, list(dtypes or ()), stream)
 
 
 def swiglu(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:
@@ -437,8 +440,13 @@ class FlatLlamaBlock:
             # angles and bits as RoPE calls on each): 2 primitives where there were 7 (a norm, a
             # product, a reshape, two splits, a RoPE; before packing, 10). Each costs ~8 µs of a
             # 2-core decode step (docs/cpu-decode.md).
-            queries, keys, values = _ext.split_heads_rope(packed.product(x, norm), heads, d, 2, rope.dims, rope.traditional,
-                                                          rope.base, rope.scale, offset, None)
+            qkv = packed.product(x, norm)
+            # A cache that keeps its rows in another dtype (float16 rows of a float32 model) gets keys
+            # and values in it from the kernel: the cast of each would be two more primitives.
+            kept = cache.kept_dtype(qkv.dtype) if hasattr(cache, "kept_dtype") else qkv.dtype
+            dtypes = [qkv.dtype, kept, kept] if kept != qkv.dtype else []
+            queries, keys, values = _ext.split_heads_rope(qkv, heads, d, 2, rope.dims, rope.traditional, rope.base,
+                                                          rope.scale, offset, dtypes, None)
             if cache is not None:
                 keys, values = cache.update_and_fetch(keys, values)
         else:

@@ -21,6 +21,7 @@ request's row of one padded array.
 
 import copy
 
+import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
 from .. import hook
@@ -43,6 +44,13 @@ class StoredDtype:
 
     def update_and_fetch(self, keys, values):
         return super().update_and_fetch(*stored_as(self.kv_dtype if self.keys is None else self.keys.dtype, keys, values))
+
+    def kept_dtype(self, dtype):
+        """The dtype rows that arrive in `dtype` are stored in (the flat llama block has its kernel
+        write them so, where a cast would be a primitive per array and step)."""
+        if self.keys is not None:
+            return self.keys.dtype
+        return dtype if self.kv_dtype is None else getattr(mx, self.kv_dtype)
 
 
 class FusedKVCache(FusedAttention, StoredDtype, lm_cache.KVCache):

@@ -150,6 +150,13 @@ class H2OKVCache(SharesGroup, AttendingCache):
         return mx.concatenate([mx.ones((*mask.shape[:-1], T), mask.dtype), mask], axis=-1) if T else mask
 
     # ------------------------------------------------------------------ the layer's calls
+    def kept_dtype(self, dtype):
+        """The dtype rows that arrive in `dtype` are kept in before any packing (the flat llama block
+        has its kernel write them so). Until the budget is resolved they must come in the model's
+        dtype, which a byte budget is sized in."""
+        kv_dtype = self.config.storage.kv_dtype
+        return dtype if kv_dtype is None or not self.config.budget.resolved else getattr(mx, kv_dtype)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self._awaiting_scores and not self.scoreless:
             warnings.warn(NO_SCORES, RuntimeWarning, stacklevel=2)
