@@ -130,16 +130,19 @@ def test_retrieval_table_batches_policies_as_each_alone():
 
 
 # ----------------------------------------------------------------------------- equal bytes
+@pytest.mark.default_kv_dtype
 def test_equal_byte_specs_hold_the_bytes_they_are_given():
     """Every cache of a fraction holds at most that fraction of the full cache's bytes at the context,
-    after a prompt fed in chunks and decoding; the fp window is the entries those bytes buy."""
+    after a prompt fed in chunks and decoding; the fp window is the entries those bytes buy. The
+    reference and the windows keep the model's float32 rows, whatever the policies' default."""
     model = tiny_model("llama", **MODEL)
     token = full_bytes_per_token(model)
     context, fraction = 200, 0.25
     specs = equal_byte_specs(model, context, [fraction])
     assert [s.name for s in specs] == ["full"] + [c[0] for c in CACHES]
     budget = int(fraction * context * token)
-    assert specs[1].options == {"max_kv_size": budget // token}
+    assert specs[1].options == {"max_kv_size": budget // token, "kv_dtype": "float32"}
+    assert specs[0].options == {"kv_dtype": "float32"} and specs[2].options["kv_dtype"] == "float32"
     x = mx.array(np.random.default_rng(6).integers(0, 128, (1, context)))
     held = {}
     for s in specs:
@@ -237,7 +240,7 @@ def test_recall_suite_compares_the_caches_given():
 
 @pytest.mark.parametrize("argv, match", [(["recall-suite", "--budget", "1.5"], "fractions"),
                                          (["recall-suite", "--cache", "h2o"], "--cache takes NAME=SPEC"),
-                                         (["recall-suite", "--cache", "a=h2o:max_kv_bytes={X}"], r"only \{B\} \(bytes\) and \{M\}"),
+                                         (["recall-suite", "--cache", "a=h2o:max_kv_bytes={X}"], r"only \{B\} \(bytes\), \{M\}"),
                                          (["recall-suite", "--cache", "a=h2o:max_kv_bytes={B},kv_recent_rows=0"], "kv_recent_rows"),
                                          (["recall-suite", "--cache", "a=h2o:max_kv_bytes={B}", "--cache", "a=full"], "names must differ"),
                                          (["recall-suite", "--cache", "a=h2o:max_kv_bytes={B}"], "span probe scores against the fp window"),

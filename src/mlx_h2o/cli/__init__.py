@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--policy-batch", type=_positive_int, default=None, help="caches decoded together (default: all)")
     u.add_argument("--cache", action="append", default=None, metavar="NAME=SPEC",
                    help="a cache to compare instead of the default ones (repeatable): a policy spec where {B} is the budget in bytes, "
-                        "{M} the fp window's entries")
+                        "{M} the fp window's entries, {D} the model's dtype (the default windows keep rows in it: "
+                        "'window fp=rotating:max_kv_size={M},kv_dtype={D}')")
     u.set_defaults(func=cmd_recall_suite)
 
     d = sub.add_parser("demo", help="the main job: full vs windows vs h2o at equal bytes on a long context (table, plot, verdicts)",

@@ -15,6 +15,11 @@ bytes at the context):
   at 8 bits, a quarter of M for heavy hitters, no archive);
 - `h2o + archive`: `max_kv_bytes=B` with a 2-bit archive of evicted entries (`evicted_bits=2`,
   cumulative score: the best recall measured on set 0, docs/h2o.md).
+
+The reference and the baselines (the full cache, both windows) keep their rows in the model's dtype
+(`{D}` in a template): the protocol every table in docs/h2o.md was measured with. The policies'
+default since 2026-11-29 keeps a float32 model's rows in float16 (storage.default_kv_dtype), which
+would halve the full cache's bytes, and with them every budget here.
 """
 
 from typing import Dict, List, Optional, Sequence
@@ -22,16 +27,18 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ..caches import make_cache
+from ..storage import model_dtype
 from .memory import kv_bytes
 from .recall import LEAD, add_recovered, recall_sequences, recall_table
 from .retrieval import retrieval_table, retrieval_trials
 from .runner import PolicySpec, parse_specs
 
 SPAN = 64
-# (name in the tables, spec template: {B} is the budget in bytes, {M} the fp window's entries)
+# (name in the tables, spec template: {B} is the budget in bytes, {M} the fp window's entries, {D}
+# the model's dtype)
 CACHES = (
-    ("window fp", "rotating:max_kv_size={M}"),
-    ("window 8-bit", "h2o:max_kv_bytes={B},split=window,kv_bits=8"),
+    ("window fp", "rotating:max_kv_size={M},kv_dtype={D}"),
+    ("window 8-bit", "h2o:max_kv_bytes={B},split=window,kv_bits=8,kv_dtype={D}"),
     ("h2o", "h2o:max_kv_bytes={B}"),
     ("h2o + archive", "h2o:max_kv_bytes={B},evicted_bits=2,score=cumulative"),
 )
@@ -47,9 +54,10 @@ def parse_caches(items: Sequence[str]) -> tuple:
         if not sep or not name or not template:
             raise ValueError(f"--cache takes NAME=SPEC (e.g. 'h2o=h2o:max_kv_bytes={{B}}'), got {item!r}")
         try:
-            parse_specs([template.format(B=10**6, M=64)])
+            parse_specs([template.format(B=10**6, M=64, D="float32")])
         except (KeyError, IndexError) as e:
-            raise ValueError(f"--cache {item!r}: only {{B}} (bytes) and {{M}} (entries) can be filled in, not {e}") from None
+            raise ValueError(f"--cache {item!r}: only {{B}} (bytes), {{M}} (entries) and {{D}} (the model's dtype) can be "
+                             f"filled in, not {e}") from None
         caches.append((name, template))
     if len({n for n, _ in caches}) < len(caches):
         raise ValueError(f"--cache names must differ, got {[n for n, _ in caches]}")
@@ -65,10 +73,16 @@ def check_probes(probes: Sequence[str], caches=CACHES) -> None:
                          "(e.g. 'window fp=rotating:max_kv_size={M}') or leave span out of --probes")
 
 
+def reference_rows(model) -> str:
+    """The dtype the protocol's full cache and windows keep rows in: the model's (module docstring)."""
+    dtype = model_dtype(model)
+    return "float32" if dtype is None else str(dtype).rpartition(".")[2]
+
+
 def full_bytes_per_token(model) -> int:
-    """Bytes one token takes in the full cache of every layer (K and V, every kv head, the dtype the
-    model's keys have), measured by feeding one token."""
-    cache = make_cache(model, "full")
+    """Bytes one token takes in the reference full cache of every layer (K and V, every kv head, rows
+    in the model's dtype), measured by feeding one token."""
+    cache = make_cache(model, "full", kv_dtype=reference_rows(model))
     mx.eval(model(mx.array([[0]]), cache=cache))
     return kv_bytes(cache)
 
@@ -82,15 +96,15 @@ def check_fractions(fractions: Sequence[float]) -> None:
 def equal_byte_specs(model, context: int, fractions: Sequence[float], caches=CACHES) -> List[PolicySpec]:
     """`full`, then for every fraction every cache of `caches` at fraction x the full cache's bytes at
     `context` tokens; each spec carries its table name and fraction as `name` and `fraction`."""
-    token = full_bytes_per_token(model)
-    full = parse_specs(["full"])[0]
+    token, rows = full_bytes_per_token(model), reference_rows(model)
+    full = parse_specs([f"full:kv_dtype={rows}"])[0]
     full.name, full.fraction = "full", 1.0
     specs = [full]
     check_fractions(fractions)
     for f in fractions:
         budget = int(f * context * token)
         for name, template in caches:
-            spec = parse_specs([template.format(B=budget, M=max(1, budget // token))])[0]
+            spec = parse_specs([template.format(B=budget, M=max(1, budget // token), D=rows)])[0]
             spec.name, spec.fraction = name, f
             specs.append(spec)
     return specs
