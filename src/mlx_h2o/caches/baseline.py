@@ -43,7 +43,7 @@ class StoredDtype:
     kv_dtype = None  # a name of an mx dtype
 
     def update_and_fetch(self, keys, values):
-        return super().update_and_fetch(*stored_as(self.kv_dtype if self.keys is None else self.keys.dtype, keys, values))
+        return super().update_and_fetch(*stored_as(self.kept_dtype(keys.dtype), keys, values))
 
     def kept_dtype(self, dtype):
         """The dtype rows that arrive in `dtype` are stored in (the flat llama block has its kernel

@@ -75,10 +75,12 @@ def cmd_generate(args) -> int:
 
 def _row_dtype(layers):
     """The dtype a cache's dense K/V rows are kept in ("float16"), or None where they are packed or unknown."""
+    from ..storage import dtype_name  # mlx.core: after the command's BLAS choice
+
     for c in layers:
         if getattr(getattr(getattr(c, "config", None), "storage", None), "kv_bits", None) is not None:
             return None  # h2o's packed rows (row_dtype is what they are packed from)
         dtype = getattr(c, "row_dtype", None) or getattr(getattr(c, "keys", None), "dtype", None)
         if dtype is not None:
-            return str(dtype).rpartition(".")[2]
+            return dtype_name(dtype)
     return None

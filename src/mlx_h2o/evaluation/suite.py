@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ..caches import make_cache
-from ..storage import model_dtype
+from ..storage import dtype_name, model_dtype
 from .memory import kv_bytes
 from .recall import LEAD, add_recovered, recall_sequences, recall_table
 from .retrieval import retrieval_table, retrieval_trials
@@ -70,13 +70,13 @@ def check_probes(probes: Sequence[str], caches=CACHES) -> None:
         raise ValueError(f"probes must be among needle, passkey, span; got {sorted(unknown)}")
     if "span" in probes and "window fp" not in {name for name, _ in caches}:
         raise ValueError("the span probe scores against the fp window of the same bytes: add a cache named 'window fp' "
-                         "(e.g. 'window fp=rotating:max_kv_size={M}') or leave span out of --probes")
+                         f"(e.g. 'window fp={dict(CACHES)['window fp']}') or leave span out of --probes")
 
 
 def reference_rows(model) -> str:
     """The dtype the protocol's full cache and windows keep rows in: the model's (module docstring)."""
     dtype = model_dtype(model)
-    return "float32" if dtype is None else str(dtype).rpartition(".")[2]
+    return "float32" if dtype is None else dtype_name(dtype)
 
 
 def full_bytes_per_token(model) -> int:

@@ -11,8 +11,8 @@
 """
 
 from .columns import ColumnedKV
-from .kv import (KV_DTYPE_HELP, KV_DTYPES, KVStorage, KVStore, SinkRowsKV, TieredKV, default_kv_dtype, make_kv_storage, model_dtype,
-                 role_bits, stored_as)
+from .kv import (KV_DTYPE_HELP, KV_DTYPES, KVStorage, KVStore, SinkRowsKV, TieredKV, default_kv_dtype, dtype_name, make_kv_storage,
+                 model_dtype, role_bits, stored_as)
 from .reserved import ReservedBuffer, check_capacity
 from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, CenteredKeysKV, KVRotation, RotatedKV
 from .rows import GROW_STEP, RowStore, check_group_size, flat_rows, gather_rows, grown_capacity, pad_indices
@@ -24,6 +24,7 @@ __all__ = [
     "KV_DTYPE_HELP",
     "KV_DTYPES",
     "default_kv_dtype",
+    "dtype_name",
     "model_dtype",
     "GROW_STEP",
     "KVRotation",

@@ -140,6 +140,11 @@ KV_DTYPES = ("float16", "bfloat16", "float32")
 KV_DTYPE_HELP = "dtype the K/V rows are stored in (unset: float16 for a model computing in float32, else the model's)"
 
 
+def dtype_name(dtype) -> str:
+    """An mx dtype's name as the options spell it: mx.float16 -> "float16"."""
+    return str(dtype).rpartition(".")[2]
+
+
 def model_dtype(model):
     """The dtype `model`'s layers compute in: that of most of its floating parameters, not counting
     quantized layers' scales and biases (a GGUF's are float16 where its layers compute in float32).

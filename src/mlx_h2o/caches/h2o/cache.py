@@ -33,7 +33,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from ...attention import PackedKV
 from ...distributed import SharesGroup
-from ...storage import stored_as
+from ...storage import dtype_name, stored_as
 from ..base import AttendingCache, fetched_ids, handed_on
 from ..batch import SequenceBatch
 from .bytes import resolve
@@ -168,7 +168,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
         B, H, L, _ = keys.shape
         if self.lanes is None:
             self.config.storage.check_rows(keys, values, packed=self.config.keeper.evicted_bits is not None)
-            self._start(B, H, (keys.shape[-1], values.shape[-1]), str(keys.dtype).split(".")[-1])
+            self._start(B, H, (keys.shape[-1], values.shape[-1]), dtype_name(keys.dtype))
         elif (B, H) != self.shape:
             raise ValueError(f"keys have batch/heads {(B, H)} but the cache holds {self.shape}; reset() it first")
         if self.config.budget.max_kv_bytes is not None and L > self.budget.evict_every:
