@@ -26,7 +26,7 @@ def main(argv=None):
     p.add_argument("--max-kv-size", type=int, default=512, help="h2o's M")
     p.add_argument("--tokens", type=int, default=257, help="greedy decode steps per run")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--kv-dtype", help="both caches' kv_dtype (unset: the model's)")
+    p.add_argument("--kv-dtype", help="both caches' kv_dtype (unset: the policies' default, float16 for a float32 model)")
     add_quiet_arguments(p)
     args = p.parse_args(argv)
 
@@ -66,7 +66,7 @@ def main(argv=None):
                 print(f"  round {r + 1}, {context} tokens, {name}: p50 {s[len(s) // 2]:.1f} ms, p99 {s[int(0.99 * len(s))]:.1f} ms, "
                       f"{1e3 * len(s) / sum(s):.1f} tok/s (load {os.getloadavg()[0]:.2f})", flush=True)
 
-    print(f"\nh2o M = {args.max_kv_size}; rows in {args.kv_dtype or 'the model dtype'}; medians over {args.rounds} runs [min-max]\n")
+    print(f"\nh2o M = {args.max_kv_size}; rows in {args.kv_dtype or "the policies' default dtype"}; medians over {args.rounds} runs [min-max]\n")
     print("| context | cache | decode tok/s | vs full | step p50 ms | p99 ms | p99 / p50 | steps > 1.5x p50 |")
     print("|---|---|---|---|---|---|---|---|")
 

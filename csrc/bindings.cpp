@@ -105,10 +105,10 @@ NB_MODULE(_ext, m) {
 
   m.def("quantized_matmul", &mlx_h2o::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "max_rows"_a = -1, "norm_weight"_a.none() = nb::none(), "norm_eps"_a.none() = nb::none(),
-        "residual"_a.none() = nb::none(), "swiglu"_a = false, "stream"_a = nb::none(),
+        "residual"_a.none() = nb::none(), "swiglu"_a = false, "swiglu_output"_a = false, "stream"_a = nb::none(),
         "x @ W^T over packed affine weights (Python API: mlx_h2o.quantized_matmul); with norm_eps, of\n"
         "rms_norm(x, norm_weight, norm_eps); with swiglu, of swiglu_halves(x); with residual, residual +\n"
-        "the product: one primitive.");
+        "the product; with swiglu_output, swiglu_halves of the product: one primitive.");
   m.def("quantized_matmul_composed", &mlx_h2o::quantized_matmul_composed, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "stream"_a = nb::none(), "Dequantize + matmul: the definition of quantized_matmul.");
   m.def("dequantize_affine", &mlx_h2o::dequantize_affine, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,

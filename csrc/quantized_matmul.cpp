@@ -1,5 +1,7 @@
 #include "quantized_matmul.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <functional>
 #include <stdexcept>
 
@@ -7,15 +9,23 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/fast.h"
 
+#include "kernels/exp_ops_problem.h"
+#include "kernels/norm_rope_problem.h"
 #include "kernels/quantized_matmul_problem.h"
 #include "exp_ops.h"
 #include "norm_rope.h"
 #include "op_utils.h"
 #include "parallel.h"
 
+// The GEMM libmlx links (MLX's CPU matmul calls it; mlx_h2o.use_openblas() routes it to OpenBLAS).
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
+                            int lda, const float* b, int ldb, float beta, float* c, int ldc);
+
 namespace mlx_h2o {
 
 namespace {
+
+constexpr int CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112;
 
 // Checks W = (w, scales, biases); returns K, the columns of W.
 int check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
@@ -133,8 +143,11 @@ mx::array fused_composed(const mx::array& x, bool swiglu, const std::optional<mx
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits, int max_rows, const std::optional<mx::array>& norm_weight,
                            std::optional<float> norm_eps, const std::optional<mx::array>& residual, bool swiglu,
-                           mx::StreamOrDevice s) {
+                           bool swiglu_output, mx::StreamOrDevice s) {
   const int K = check_args(x, w, scales, biases, group_size, bits, swiglu);
+  if (swiglu_output && (w.shape(0) % 2 || residual))
+    fail("swiglu_output takes the halves of the product (gate, up): W needs an even number of rows and no residual, "
+         "got W of " + std::to_string(w.shape(0)) + " rows" + (residual ? " and a residual" : ""));
   if (norm_weight && !norm_eps) fail("norm_weight needs norm_eps (the RMS norm fused into the product)");
   if (swiglu && norm_eps) fail("a product's input takes either the swiglu or the norm, not both");
   if (norm_weight && (norm_weight->ndim() != 1 || norm_weight->shape(0) != K || !is_float_dtype(norm_weight->dtype())))
@@ -150,7 +163,15 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   auto stream = mx::to_stream(s);
   const int64_t rows = x.shape(-1) > 0 ? static_cast<int64_t>(x.size()) / x.shape(-1) : 0;
   if (max_rows < 0) max_rows = QMM_MAX_ROWS;
-  if (stream.device != mx::Device::cpu || rows == 0 || w.shape(0) == 0 || rows > max_rows) {
+  // Longer x: the blocked GEMM, for float32 throughout (the GEMM's dtype); the composed ops otherwise.
+  const bool float32_gemm = x.dtype() == mx::float32 && product_dtype == mx::float32 &&
+                            (!residual || residual->dtype() == mx::float32);
+  const bool gemm = stream.device == mx::Device::cpu && rows > max_rows && float32_gemm && w.shape(0) > 0;
+  if (swiglu_output && !gemm)  // the product, then its activation: two primitives
+    return swiglu_halves(quantized_matmul(x, w, scales, biases, group_size, bits, max_rows, norm_weight, norm_eps,
+                                          std::nullopt, swiglu, false, stream),
+                         stream);
+  if (stream.device != mx::Device::cpu || rows == 0 || w.shape(0) == 0 || (rows > max_rows && !float32_gemm)) {
     auto product = [&](const mx::array& xn) -> mx::array {
       if (stream.device != mx::Device::cpu || rows == 0 || w.shape(0) == 0)
         return quantized_matmul_composed(xn, w, scales, biases, group_size, bits, stream);
@@ -166,13 +187,137 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   fusion.norm_weight = fusion.norm && norm_weight.has_value();
   fusion.norm_eps = norm_eps.value_or(0.0f);
   fusion.residual = residual.has_value();
+  fusion.swiglu_output = swiglu_output;
+  if (swiglu_output) shape.back() /= 2;
   std::vector<mx::array> inputs = {x, w, scales, biases};
   if (fusion.norm_weight) inputs.push_back(*norm_weight);
   if (fusion.residual) inputs.push_back(*residual);
   const auto dtype = residual ? mx::promote_types(residual->dtype(), product_dtype) : product_dtype;
-  return mx::array(std::move(shape), dtype, std::make_shared<QuantizedMatmul>(stream, group_size, bits, fusion),
-                   std::move(inputs));
+  return mx::array(std::move(shape), dtype,
+                   std::make_shared<QuantizedMatmul>(stream, group_size, bits, fusion, max_rows), std::move(inputs));
 }
+
+namespace {
+
+// Rows of W dequantized at a time for the GEMM: ~1 MiB of floats, a multiple of 16 rows (the GEMM's
+// panels). A whole dense W of SmolLM2's MLP is 3.4 MiB, and a prefill's graph held several at once.
+constexpr int64_t GEMM_BLOCK_FLOATS = int64_t(1) << 18;
+
+// Float scratch kept on the thread that runs the products (the stream's) from one product to the next,
+// as the kernels keep theirs (kernels/work.h, KeptFloats): fresh, every product of a prefill would map
+// and fault in its scratch (~10 % of a 512-token prefill), and as MLX temporaries the scratch of
+// every product the command queue has taken on would be held at once (~7 MiB more at the peak of a
+// 512-token prefill). A slot is given back when a product needs under an eighth of it, and all of
+// them when the thread runs a product on the kernel's rows (decode after a prefill).
+constexpr int KEPT_SLOTS = 3;
+
+struct Kept {
+  float* p = nullptr;
+  int64_t n = 0;
+  ~Kept() { std::free(p); }
+};
+
+thread_local Kept kept[KEPT_SLOTS];
+
+float* kept_scratch(int slot, int64_t floats) {
+  Kept& k = kept[slot];
+  if (floats > k.n || floats < k.n / 8) {
+    std::free(k.p);
+    k.p = floats > 0 ? static_cast<float*>(std::malloc(sizeof(float) * floats)) : nullptr;
+    k.n = k.p ? floats : 0;
+    if (floats > 0 && !k.p) throw std::bad_alloc();
+  }
+  return k.p;
+}
+
+void give_back_kept_scratch() {
+  for (int slot = 0; slot < KEPT_SLOTS; ++slot)
+    if (kept[slot].p) kept_scratch(slot, 0);
+}
+
+// The blocked GEMM's shape.
+struct GemmPlan {
+  int columns = 0, block = 0;  // the output's columns, W's rows (of each half) a block dequantizes
+  bool swiglu_output = false;
+  size_t scale_size = 4;
+};
+
+// y = x @ W^T for the GEMM's rows (float32 throughout; see quantized_matmul): x made ready (norm or
+// swiglu, by the kernels the ops run), the residual copied into the output, then per block of W's rows
+// one dequantize pass into scratch and one GEMM into the output's columns, or with swiglu_output into
+// scratch, whose activation goes to the output; then the residual.
+void quantized_matmul_gemm(const QuantizedMatmulProblem& p, const GemmPlan& g) {
+  const int M = p.M, N = p.W.N, K = p.W.K;
+  const float* x = static_cast<const float*>(p.x);
+  // (M, K): x after its norm or swiglu; (2 blocks, K): W's rows; (M, 2 block): a block's gate and up
+  float* ready = p.swiglu || p.norm ? kept_scratch(0, static_cast<int64_t>(M) * K) : nullptr;
+  float* dense = kept_scratch(1, static_cast<int64_t>(g.swiglu_output ? 2 : 1) * g.block * K);
+  float* halves = g.swiglu_output ? kept_scratch(2, static_cast<int64_t>(M) * 2 * g.block) : nullptr;
+  if (p.swiglu) {
+    SwiGLUProblem s;
+    s.rows = M;
+    s.n = K;
+    s.ld = 2 * static_cast<int64_t>(K);
+    s.gate = x;
+    s.up = x + K;
+    s.out = ready;
+    swiglu_cpu(s);
+    x = ready;
+  } else if (p.norm) {
+    RMSNormProblem r;
+    r.rows = M;
+    r.D = K;
+    r.x = x;
+    r.weight = p.norm_weight;
+    r.weight_type = p.norm_weight_type;
+    r.eps = p.norm_eps;
+    r.out = ready;
+    rms_norm_cpu(r);
+    x = ready;
+  }
+  float* out = static_cast<float*>(p.out);
+  const int64_t words = static_cast<int64_t>(K) * p.W.bits / 32, groups = K / p.W.group_size;
+  auto dequantize_rows = [&](int first, int n, float* dense) {
+    DequantizeProblem d;
+    d.W = p.W;
+    d.W.N = n;
+    d.W.w = p.W.w + first * words;
+    d.W.scales = static_cast<const char*>(p.W.scales) + first * groups * g.scale_size;
+    d.W.biases = static_cast<const char*>(p.W.biases) + first * groups * g.scale_size;
+    d.out = dense;
+    d.threads = p.threads;
+    dequantize_cpu(d);
+  };
+  for (int n0 = 0; n0 < g.columns; n0 += g.block) {
+    const int n = std::min(g.block, g.columns - n0);
+    dequantize_rows(n0, n, dense);
+    if (!g.swiglu_output) {
+      cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, M, n, K, 1.0f, x, K, dense, K, 0.0f, out + n0, N);
+      continue;
+    }
+    // the gate rows [n0, n0 + n) and their up rows, N / 2 further on: the activation of columns n0 ...
+    dequantize_rows(g.columns + n0, n, dense + static_cast<size_t>(n) * K);
+    cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, M, 2 * n, K, 1.0f, x, K, dense, K, 0.0f, halves,
+                2 * n);
+    for (int r = 0; r < M; ++r) {  // a row at a time: the output's rows are `columns` apart
+      const float* gate = halves + static_cast<size_t>(r) * 2 * n;
+      SwiGLUProblem s;
+      s.n = n;
+      s.gate = gate;
+      s.up = gate + n;
+      s.out = out + static_cast<size_t>(r) * g.columns + n0;
+      swiglu_cpu(s);
+    }
+  }
+  // The residual after the product, as the add would round it (the GEMM's beta = 1 adds it to partial
+  // sums over blocks of K: other bits).
+  if (p.residual) {
+    const float* r = static_cast<const float*>(p.residual);
+    for (int64_t i = 0, n = static_cast<int64_t>(M) * N; i < n; ++i) out[i] += r[i];
+  }
+}
+
+}  // namespace
 
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
@@ -205,7 +350,20 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     p.residual_type = elem_type(residual.dtype());
     p.product_type = elem_type(mx::promote_types(normed_dtype, in[2].dtype()));
   }
-  enc.dispatch([p]() { quantized_matmul_cpu(p); });
+  if (p.M > max_rows_) {
+    GemmPlan g;
+    g.swiglu_output = fusion_.swiglu_output;
+    g.scale_size = in[2].itemsize();
+    g.columns = g.swiglu_output ? p.W.N / 2 : p.W.N;
+    const int parts = g.swiglu_output ? 2 : 1, K = p.W.K;
+    g.block = static_cast<int>(std::min<int64_t>(g.columns, std::max<int64_t>(16, GEMM_BLOCK_FLOATS / K / parts / 16 * 16)));
+    enc.dispatch([p, g]() { quantized_matmul_gemm(p, g); });
+  } else {
+    enc.dispatch([p]() {
+      give_back_kept_scratch();
+      quantized_matmul_cpu(p);
+    });
+  }
 }
 
 void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -221,17 +379,18 @@ std::vector<mx::array> QuantizedMatmul::composed(const std::vector<mx::array>& i
   auto product = [&](const mx::array& x) {
     return quantized_matmul_composed(x, inputs[1], inputs[2], inputs[3], group_size_, bits_, stream());
   };
-  return {fused_composed(inputs[0], fusion_.swiglu, norm_weight, norm_eps, residual, true, product, stream())};
+  auto y = fused_composed(inputs[0], fusion_.swiglu, norm_weight, norm_eps, residual, true, product, stream());
+  return {fusion_.swiglu_output ? swiglu_halves(y, stream()) : y};
 }
 
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && fusion_ == o.fusion_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && fusion_ == o.fusion_ && max_rows_ == o.max_rows_;
 }
 
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
   mx::Shape shape = inputs[0].shape();
-  shape.back() = inputs[1].shape(0);
+  shape.back() = fusion_.swiglu_output ? inputs[1].shape(0) / 2 : inputs[1].shape(0);
   return {shape};
 }
 

@@ -9,10 +9,11 @@ import pytest
 
 import mlx_h2o
 
-# 20 buffers of 2 MiB written, then a small one allocated after them (it pins the heap's top, so the
-# heap cannot shrink past it), then the 20 freed: their pages leave the process only if each was a
-# mapping of its own. A 4 MiB buffer freed first raises glibc's own threshold past 2 MiB, as a
-# growing KV cache does.
+# 20 buffers of 2 MiB written, then a 3 MiB one allocated after them (it pins the heap's top, so the
+# heap cannot shrink past it: a small one could land in a hole the imports left lower in the heap,
+# and then the top would shrink on its own), then the 20 freed: their pages leave the process only if
+# each was a mapping of its own. A 4 MiB buffer freed first raises glibc's own threshold past 3 MiB,
+# as a growing KV cache does.
 _FREED_PAGES = """
 import ctypes, os, sys
 import mlx_h2o
@@ -30,7 +31,7 @@ before = rss_mib()
 blocks = [libc.malloc(2 << 20) for _ in range(20)]
 for b in blocks:
     ctypes.memset(b, 1, 2 << 20)
-pin = libc.malloc(64 << 10)
+pin = libc.malloc(3 << 20)
 held = rss_mib() - before
 for b in blocks:
     libc.free(b)

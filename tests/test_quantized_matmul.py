@@ -121,6 +121,55 @@ def test_long_inputs_take_dequantize_and_gemm():
     )
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_long_float32_inputs_take_the_blocked_gemm(bits):
+    """More than max_rows float32 rows: one primitive that dequantizes W a block of rows at a time
+    into the GEMM (960 rows of 576 columns: three blocks, the last a partial one), with the norm, the
+    swiglu, the residual or the activation of its output (swiglu_output) as the ops alone give them.
+    Against float64 from the stored values, and bit for bit against the ops one by one."""
+    from mlx_h2o.evaluation.speed import graph_primitives
+
+    rng = np.random.default_rng(20 + bits)
+    N, K = 960, 576
+    for M, group_size, sdtype in [(40, 32, mx.float32), (100, 64, mx.float16), (33, 64, mx.bfloat16)]:
+        wq = mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32) * 0.05).astype(sdtype),
+                         group_size=group_size, bits=bits)
+        W = numpy_dequantize(*wq, bits, group_size)
+        x = mx.array(rng.standard_normal((1, M, K)).astype(np.float32) * 3)
+        gate_up = mx.array(rng.standard_normal((1, M, 2 * K)).astype(np.float32) * 3)
+        weight = mx.array(rng.uniform(0.5, 2, K).astype(np.float32))
+        residual = mx.array(rng.standard_normal((1, M, N)).astype(np.float32))
+        qmm = lambda x, **kw: quantized_matmul(x, *wq, group_size=group_size, bits=bits, **kw)
+        x64, g64, u64 = np.array(x, np.float64), *np.split(np.array(gate_up, np.float64), 2, axis=-1)
+        n64 = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * np.array(weight, np.float64)
+        a64 = g64 / (1 + np.exp(-g64)) * u64
+        p64 = x64 @ W.T
+        cases = [  # (kwargs, x, the ops one by one, float64)
+            ({}, x, x @ _ext.dequantize_affine(*wq, group_size, bits, mx.float32).T, p64),  # W dense at once
+            (dict(norm_weight=weight, norm_eps=1e-5), x, qmm(mlx_h2o.rms_norm(x, weight, 1e-5)), n64 @ W.T),
+            (dict(swiglu=True), gate_up, qmm(_ext.swiglu_halves(gate_up)), a64 @ W.T),
+            (dict(residual=residual), x, residual + qmm(x), np.array(residual, np.float64) + p64),
+            (dict(swiglu_output=True), x, _ext.swiglu_halves(qmm(x)),
+             p64[..., : N // 2] / (1 + np.exp(-p64[..., : N // 2])) * p64[..., N // 2 :]),
+        ]
+        for kw, xin, ops, ref in cases:
+            got = qmm(xin, **kw)
+            assert sum(graph_primitives(got).values()) == 1, kw  # one primitive, however many blocks
+            assert got.dtype == mx.float32 and got.shape == ref.shape
+            mag = np.abs(ref).max()
+            np.testing.assert_allclose(np.array(got, np.float64), ref, rtol=0, atol=2e-6 * mag)
+            np.testing.assert_array_equal(np.array(got), np.array(ops), err_msg=str(kw))
+    # Other dtypes take the composed ops: swiglu_output is the activation of the product there too,
+    # on the kernel's rows as on the dequantize + GEMM path.
+    wq = mx.quantize(mx.array(rng.standard_normal((64, 128)).astype(np.float32)), group_size=32, bits=bits)
+    for M, dtype in [(40, mx.float16), (3, mx.float32), (3, mx.bfloat16)]:
+        x = mx.array(rng.standard_normal((M, 128)).astype(np.float32)).astype(dtype)
+        got = quantized_matmul(x, *wq, group_size=32, bits=bits, swiglu_output=True)
+        expect = _ext.swiglu_halves(quantized_matmul(x, *wq, group_size=32, bits=bits))
+        assert got.dtype == expect.dtype and got.shape == (M, 32)
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(expect.astype(mx.float32)))
+
+
 def test_portable_variant_and_one_thread_agree():
     import os
     import subprocess
@@ -218,6 +267,13 @@ def test_gradients_through_the_fused_norm_and_residual():
     ours = mx.grad(lambda x: (quantized_matmul(x, *wq, group_size=32, bits=4, swiglu=True) * g).sum())(gate_up)
     stock = mx.grad(lambda x: ((nn.silu(x[:, :64]) * x[:, 64:]) @ dense.T * g).sum())(gate_up)
     np.testing.assert_allclose(np.array(ours), np.array(stock), rtol=1e-4, atol=1e-4)
+    # The activation of the product (swiglu_output) through the blocked GEMM's primitive (the kernel's
+    # rows are two ops, each with its own vjp).
+    x = mx.array(rng.standard_normal((40, 64)).astype(np.float32))
+    g = mx.array(rng.standard_normal((40, 20)).astype(np.float32))
+    ours = mx.grad(lambda x: (quantized_matmul(x, *wq, group_size=32, bits=4, swiglu_output=True) * g).sum())(x)
+    stock = mx.grad(lambda x: (nn.silu(x @ dense[:20].T) * (x @ dense[20:].T) * g).sum())(x)
+    np.testing.assert_allclose(np.array(ours), np.array(stock), rtol=1e-4, atol=1e-4)
 
 
 def test_bad_input():
@@ -249,6 +305,12 @@ def test_bad_input():
         quantized_matmul(mx.concatenate([x, x], -1), *wq, group_size=32, bits=4, swiglu=True, norm_eps=1e-5)
     with pytest.raises(ValueError, match="w's words per row do not hold"):
         quantized_matmul(x, *wq, group_size=32, bits=4, swiglu=True)  # x holds K values, not gate and up
+    odd = mx.quantize(mx.array(rng.standard_normal((7, 64)).astype(np.float32)), group_size=32, bits=4)
+    for rows in (1, 40):  # the kernel's rows and the GEMM's
+        with pytest.raises(ValueError, match="swiglu_output takes the halves .* got W of 7 rows"):
+            quantized_matmul(mx.ones((rows, 64)), *odd, group_size=32, bits=4, swiglu_output=True)
+        with pytest.raises(ValueError, match="no residual, got W of 8 rows and a residual"):
+            quantized_matmul(mx.ones((rows, 64)), *wq, group_size=32, bits=4, swiglu_output=True, residual=mx.ones((rows, 8)))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])

