@@ -206,8 +206,8 @@ constexpr int64_t GEMM_BLOCK_FLOATS = int64_t(1) << 18;
 // Float scratch kept on the thread that runs the products (the stream's) from one product to the next,
 // as the kernels keep theirs (kernels/work.h, KeptFloats): fresh, every product of a prefill would map
 // and fault in its scratch (~10 % of a 512-token prefill), and as MLX temporaries the scratch of
-// every product the command queue has taken on would be held at once (~7 MiB more at the peak of a
-// 512-token prefill). A slot is given back when a product needs under an eighth of it, and all of
+// every product the command queue has taken on would be held at once (a 512-token prefill's peak:
+// MLX's 7 MiB higher, the process's 4 MiB). A slot is given back when a product needs under an eighth of it, and all of
 // them when the thread runs a product on the kernel's rows (decode after a prefill).
 constexpr int KEPT_SLOTS = 3;
 
@@ -243,9 +243,9 @@ struct GemmPlan {
 };
 
 // y = x @ W^T for the GEMM's rows (float32 throughout; see quantized_matmul): x made ready (norm or
-// swiglu, by the kernels the ops run), the residual copied into the output, then per block of W's rows
-// one dequantize pass into scratch and one GEMM into the output's columns, or with swiglu_output into
-// scratch, whose activation goes to the output; then the residual.
+// swiglu, by the kernels the ops run), then per block of W's rows one dequantize pass into scratch and
+// one GEMM into the output's columns (with swiglu_output into scratch, whose activation goes to the
+// output), then the residual added.
 void quantized_matmul_gemm(const QuantizedMatmulProblem& p, const GemmPlan& g) {
   const int M = p.M, N = p.W.N, K = p.W.K;
   const float* x = static_cast<const float*>(p.x);
@@ -277,14 +277,14 @@ void quantized_matmul_gemm(const QuantizedMatmulProblem& p, const GemmPlan& g) {
   }
   float* out = static_cast<float*>(p.out);
   const int64_t words = static_cast<int64_t>(K) * p.W.bits / 32, groups = K / p.W.group_size;
-  auto dequantize_rows = [&](int first, int n, float* dense) {
+  auto dequantize_rows = [&](int first, int n, float* to) {
     DequantizeProblem d;
     d.W = p.W;
     d.W.N = n;
     d.W.w = p.W.w + first * words;
     d.W.scales = static_cast<const char*>(p.W.scales) + first * groups * g.scale_size;
     d.W.biases = static_cast<const char*>(p.W.biases) + first * groups * g.scale_size;
-    d.out = dense;
+    d.out = to;
     d.threads = p.threads;
     dequantize_cpu(d);
   };
