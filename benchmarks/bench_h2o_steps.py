@@ -66,7 +66,8 @@ def main(argv=None):
                 print(f"  round {r + 1}, {context} tokens, {name}: p50 {s[len(s) // 2]:.1f} ms, p99 {s[int(0.99 * len(s))]:.1f} ms, "
                       f"{1e3 * len(s) / sum(s):.1f} tok/s (load {os.getloadavg()[0]:.2f})", flush=True)
 
-    print(f"\nh2o M = {args.max_kv_size}; rows in {args.kv_dtype or "the policies' default dtype"}; medians over {args.rounds} runs [min-max]\n")
+    rows = args.kv_dtype or "the policies' default dtype"
+    print(f"\nh2o M = {args.max_kv_size}; rows in {rows}; medians over {args.rounds} runs [min-max]\n")
     print("| context | cache | decode tok/s | vs full | step p50 ms | p99 ms | p99 / p50 | steps > 1.5x p50 |")
     print("|---|---|---|---|---|---|---|---|")
 

@@ -163,18 +163,19 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   auto stream = mx::to_stream(s);
   const int64_t rows = x.shape(-1) > 0 ? static_cast<int64_t>(x.size()) / x.shape(-1) : 0;
   if (max_rows < 0) max_rows = QMM_MAX_ROWS;
-  // Longer x: the blocked GEMM, for float32 throughout (the GEMM's dtype); the composed ops otherwise.
+  // Other streams and empty products: the composed definition. On the CPU, longer x takes the blocked
+  // GEMM where everything is float32 (the GEMM's dtype), else dequantize + matmul as ops.
+  const bool not_cpu_kernels = stream.device != mx::Device::cpu || rows == 0 || w.shape(0) == 0;
   const bool float32_gemm = x.dtype() == mx::float32 && product_dtype == mx::float32 &&
                             (!residual || residual->dtype() == mx::float32);
-  const bool gemm = stream.device == mx::Device::cpu && rows > max_rows && float32_gemm && w.shape(0) > 0;
+  const bool gemm = !not_cpu_kernels && rows > max_rows && float32_gemm;
   if (swiglu_output && !gemm)  // the product, then its activation: two primitives
     return swiglu_halves(quantized_matmul(x, w, scales, biases, group_size, bits, max_rows, norm_weight, norm_eps,
                                           std::nullopt, swiglu, false, stream),
                          stream);
-  if (stream.device != mx::Device::cpu || rows == 0 || w.shape(0) == 0 || (rows > max_rows && !float32_gemm)) {
+  if (not_cpu_kernels || (rows > max_rows && !float32_gemm)) {
     auto product = [&](const mx::array& xn) -> mx::array {
-      if (stream.device != mx::Device::cpu || rows == 0 || w.shape(0) == 0)
-        return quantized_matmul_composed(xn, w, scales, biases, group_size, bits, stream);
+      if (not_cpu_kernels) return quantized_matmul_composed(xn, w, scales, biases, group_size, bits, stream);
       // prefill: one dequantize pass, then the BLAS GEMM
       auto dense = dequantize_affine(w, scales, biases, group_size, bits, product_dtype, stream);
       return mx::matmul(mx::astype(xn, product_dtype, stream), mx::swapaxes(dense, 0, 1, stream), stream);
