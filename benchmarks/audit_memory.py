@@ -133,7 +133,7 @@ def main():
     ap.add_argument("--min-mib", type=float, default=1.0, help="list buffers and mappings of at least this many MiB")
     ap.add_argument("--allocator", choices=["glibc", "mmap"], default="glibc",
                     help="glibc: the C allocator's own mmap threshold, as a process runs by default; mmap: freed "
-                         "large buffers returned to the system (mlx_h2o.use_mmap_for_large_buffers)")
+                         "large buffers returned to the system (mlx_h2o.use_mmap_for_large_buffers, limit_mlx_buffer_cache)")
     ap.add_argument("--json", help="also write the audit here")
     args = ap.parse_args()
 
@@ -143,6 +143,7 @@ def main():
     mlx_h2o.use_openblas()  # before mlx.core loads, as bench_peer.py
     if args.allocator == "mmap":
         mlx_h2o.use_mmap_for_large_buffers()
+        mlx_h2o.limit_mlx_buffer_cache()
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 

@@ -113,6 +113,7 @@ def worker_ours(tokens, gen, spec, budget, allocator):
     mlx_h2o.use_openblas()  # before mlx.core loads
     if allocator == "mmap":
         mlx_h2o.use_mmap_for_large_buffers()  # as the mlx-h2o command does (--allocators glibc: not)
+        mlx_h2o.limit_mlx_buffer_cache()
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -219,8 +220,8 @@ def main():
     ap.add_argument("--budget", type=int, default=512, help="max_kv_size M of mlx-h2o's h2o cache")
     ap.add_argument("--allocators", nargs="+", choices=["mmap", "glibc"], default=["mmap"],
                     help="mlx-h2o's processes with freed large buffers returned to the system, as the mlx-h2o command "
-                         "runs (mmap: mlx_h2o.use_mmap_for_large_buffers()) and/or with the C allocator as it comes "
-                         "(glibc: rows marked +glibc)")
+                         "runs (mmap: mlx_h2o.use_mmap_for_large_buffers() and limit_mlx_buffer_cache()) and/or with the "
+                         "allocators as they come (glibc: rows marked +glibc)")
     ap.add_argument("--isas", nargs="+", choices=("best",) + ISA_OPTIONS, default=["best"],
                     help="mlx-h2o's kernel variants: best (the one this CPU runs) and/or an older one forced with "
                          "MLX_H2O_KERNEL_ISA (rows marked +avx2, +portable): an A/B of the kernels in one run")

@@ -1,5 +1,6 @@
-"""use_mmap_for_large_buffers: freed large buffers go back to the system (glibc). Importing mlx_h2o
-leaves the C allocator alone; the commands that own their process opt in, MLX_H2O_ALLOCATOR=glibc out."""
+"""use_mmap_for_large_buffers: freed large buffers go back to the system (glibc); limit_mlx_buffer_cache:
+MLX keeps few freed ones. Importing mlx_h2o leaves both allocators alone; the commands that own their
+process opt in, MLX_H2O_ALLOCATOR=glibc out."""
 
 import os
 import subprocess
@@ -54,11 +55,12 @@ def test_freed_large_buffers_leave_the_process():
     assert held >= 38 and kept >= 38, (held, kept)
 
 
-# What a command's process and an importing one get: (mmap threshold, the report's words).
+# What a command's process and an importing one get: (mmap threshold, MLX's cache limit, the report's words).
 _COMMAND_PROCESS = """
 import sys
 import mlx_h2o
 from mlx_h2o import _allocator
+import mlx.core as mx
 if sys.argv[1] == "command":
     from mlx_h2o.cli import main
     main(["options"])  # any subcommand: the process setup comes first
@@ -66,7 +68,8 @@ elif sys.argv[1] == "run_mlx_lm":
     import mlx_h2o.run_mlx_lm as r, runpy
     runpy.run_module = lambda *a, **k: None  # the setup only, not mlx-lm's command
     r.main()
-print(_allocator.mmap_threshold(), "|", _allocator.allocator_description())
+limit = mx.set_cache_limit(0)  # (returns the limit in force)
+print(_allocator.mmap_threshold(), "|", limit, "|", _allocator.allocator_description())
 """
 
 
@@ -78,15 +81,45 @@ def test_commands_opt_their_process_in_and_the_environment_opts_out(entry):
                              check=True, env={**os.environ, **env})
         return out.stdout.strip().splitlines()[-1]
 
-    assert run("import") == "None | the C allocator's own"
-    assert run(entry) == "131072 | own maps above 128 KiB (freed to the system)"
-    assert run(entry, MLX_H2O_ALLOCATOR="glibc") == "None | the C allocator's own (MLX_H2O_ALLOCATOR=glibc)"
+    mlx_default = 32 << 20  # MLX's own cache limit on the CPU
+    assert run("import") == f"None | {mlx_default} | the C allocator's own"
+    assert run(entry) == "131072 | 1048576 | own maps above 128 KiB (freed to the system); MLX keeps 1 MiB of freed ones"
+    assert run(entry, MLX_H2O_ALLOCATOR="glibc") == f"None | {mlx_default} | the C allocator's own (MLX_H2O_ALLOCATOR=glibc)"
 
 
 def test_mmap_threshold_rejects_bad_values():
     for bad in (0, 1024, 64 << 20, 2.5, True, "128k"):
         with pytest.raises(ValueError, match="threshold must be an integer"):
             mlx_h2o.use_mmap_for_large_buffers(bad)
+
+
+def test_mlx_buffer_cache_limit_rejects_bad_values():
+    for bad in (-1, 2.5, True, "1M", None):
+        with pytest.raises(ValueError, match="limit must be a number of bytes"):
+            mlx_h2o.limit_mlx_buffer_cache(bad)
+
+
+# A prefill's pattern: buffers of several sizes freed, then others asked for. MLX reuses a cached
+# buffer only for a request of about its size, so under its own limit the freed ones stay its memory.
+_CACHED_BUFFERS = """
+import sys
+import mlx_h2o
+import mlx.core as mx
+if sys.argv[1] == "limited":
+    assert mlx_h2o.limit_mlx_buffer_cache() is True
+for mib in (1, 2, 3, 4, 5):
+    mx.eval(mx.full((mib << 18,), 1.0))  # freed once evaluated and dropped
+print(mx.get_cache_memory())
+"""
+
+
+def test_limited_mlx_buffer_cache_keeps_no_more_than_its_limit():
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", _CACHED_BUFFERS, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert run("default") >= 10 << 20  # the five buffers, 15 MiB, all kept
+    assert run("limited") <= 1 << 20
 
 
 _CHILD_PEAK = """

@@ -73,9 +73,13 @@ static Plan make_plan(const AttentionProblem& p) {
   pl.split_len = ((p.N + splits - 1) / splits + TILE - 1) / TILE * TILE;
   pl.splits = (p.N + pl.split_len - 1) / pl.split_len;
   if (p.score_mode == ScoreMode::mass) {
-    const int64_t budget_floats = int64_t(1) << 23;  // 32 MiB of logits scratch per wave
+    // 2 MiB of logits scratch per wave, and a block per thread at least. The scratch is the
+    // process's for a whole prefill (KeptFloats), so it sits on the peak: 32 MiB here put 9 MiB on
+    // a 512-token prompt's. More waves cost nothing measurable, and the scores' bits do not depend on
+    // them: phase C adds every block's rows in block order whatever the waves.
+    const int64_t budget_floats = int64_t(1) << 19;
     const int64_t fit = budget_floats / (static_cast<int64_t>(pl.G) * pl.block_l * p.N);
-    pl.wave_blocks = fit < 1 ? 1 : (fit > pl.n_blocks ? pl.n_blocks : static_cast<int>(fit));
+    pl.wave_blocks = static_cast<int>(fit > pl.n_blocks ? pl.n_blocks : imax(static_cast<int>(fit), imin(pl.threads, pl.n_blocks)));
   } else {
     pl.wave_blocks = pl.n_blocks;
   }
@@ -597,7 +601,8 @@ static void run_attention(const AttentionProblem& p) {
 
     if (!mass) continue;
     // Phase C: mass[b, h, n] += sum over the wave's rows of (b, h) of exp2(S - m) / l.
-    const int chunk = 1024;
+    // Key chunks small enough that a wave of one kv head's blocks still has a task per thread.
+    const int chunk = imax(TILE, imin(1024, (p.N + 4 * pl.threads - 1) / (4 * pl.threads) / TILE * TILE));
     const int n_chunks = (p.N + chunk - 1) / chunk;
     const int bh_first = w0 / pl.blocks_per_head;
     const int bh_last = (w0 + nb - 1) / pl.blocks_per_head;

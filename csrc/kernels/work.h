@@ -19,7 +19,7 @@ struct Scratch {
 using FloatBuffer = Scratch<float>;
 
 // Float scratch kept on the calling thread from one call to the next, for the buffers a call needs
-// whole (an h2o prefill's attention takes up to 32 MiB of logits a call). Allocated fresh each call,
+// whole (an h2o prefill's attention takes a few MiB of logits a call). Allocated fresh each call,
 // a buffer that large is a memory map of its own once large allocations are
 // (mlx_h2o.use_mmap_for_large_buffers), and every call would fault in fresh pages: ~15 % of such a
 // prefill. The buffer is given back when a call needs under an eighth of a large one (decode after a

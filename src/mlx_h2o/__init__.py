@@ -5,8 +5,8 @@ are imported on first use. Speed-ups that touch MLX are explicit calls on what y
 `load()` switches the returned model's layers to the CPU kernels (`use_cpu_layer_kernels(model)`
 for other models), `use_openblas()` routes MLX's CPU matmuls to OpenBLAS for the process (call it
 before anything imports mlx.core, or set MLX_H2O_BLAS=openblas), and `use_mmap_for_large_buffers()`
-makes the process return freed large buffers to the system (a lower peak RSS; the `mlx-h2o` command
-calls both for its own process).
+makes the process return freed large buffers to the system and `limit_mlx_buffer_cache()` keeps MLX
+from holding freed ones (a lower peak RSS; the `mlx-h2o` command calls all three for its own process).
 """
 
 import importlib
@@ -32,6 +32,7 @@ _EXPORTS = {
     "swiglu": ".cpu_layers",
     "use_cpu_layer_kernels": ".cpu_layers",
     "use_default_cpu_kernels": ".cpu_layers",
+    "limit_mlx_buffer_cache": "._allocator",
     "use_mmap_for_large_buffers": "._allocator",
     "blas_backend": "._blas",
     "use_openblas": "._blas",

@@ -11,12 +11,16 @@ threshold, so every buffer above it is its own mapping again and goes back to th
 frees it.
 
 The price was a prefill's: every large allocation that misses MLX's buffer cache maps and faults in
-fresh pages, and an h2o prefill's attention took up to 32 MiB of scratch per call (~15 % slower).
+fresh pages, and an h2o prefill's attention then took up to 32 MiB of scratch per call (~15 % slower).
 The kernels now keep that scratch from one call to the next (csrc/kernels/work.h, KeptFloats).
 
-It changes the C allocator for the whole process, so importing mlx_h2o does not call it: the
-commands that own their process do (`mlx-h2o`, `python -m mlx_h2o.run_mlx_lm`), as they opt in to
-OpenBLAS. MLX_H2O_ALLOCATOR=glibc in the environment keeps the C allocator as it comes. This module
+MLX's own cache of freed buffers is the other half (`limit_mlx_buffer_cache()`): it reuses a buffer
+only for a request of about its size, so a prefill layer's temporaries of every size it frees stay
+beside the live ones. The commands keep it to 1 MiB.
+
+Both change the whole process, so importing mlx_h2o calls neither: the commands that own their
+process do (`mlx-h2o`, `python -m mlx_h2o.run_mlx_lm`), as they opt in to OpenBLAS.
+MLX_H2O_ALLOCATOR=glibc in the environment keeps both allocators as they come. Importing this module
 must not import MLX.
 """
 
@@ -28,7 +32,13 @@ DEFAULT_THRESHOLD = 128 * 1024  # glibc's own starting threshold, kept fixed
 MAX_THRESHOLD = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 
-_state = {"threshold": None}
+# Bytes of freed buffers MLX keeps for reuse in the commands' processes (MLX's own default: 32 MiB).
+# On the embedded model a 1 MiB limit takes ~12 MiB off a 512-token prompt's peak RSS and ~30 MiB
+# off a 2048-token one's, and costs a prefill ~10 % (its larger temporaries faulted in afresh each
+# layer); decode unchanged (benchmarks/bench_buffer_cache.py, docs/cpu-decode.md).
+MLX_BUFFER_CACHE_LIMIT = 1 << 20
+
+_state = {"threshold": None, "mlx_cache_limit": None}
 
 
 def _opted_out() -> bool:
@@ -55,6 +65,21 @@ def use_mmap_for_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
     return True
 
 
+def limit_mlx_buffer_cache(limit: int = MLX_BUFFER_CACHE_LIMIT) -> bool:
+    """Let MLX keep at most `limit` bytes of freed buffers for reuse (`mx.set_cache_limit`) for the
+    rest of this process. Returns whether it took effect (not under MLX_H2O_ALLOCATOR=glibc). It
+    loads MLX: call it after `use_openblas()`."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit must be a number of bytes, an integer >= 0, got {limit!r}")
+    if _opted_out():
+        return False
+    import mlx.core as mx
+
+    mx.set_cache_limit(limit)
+    _state["mlx_cache_limit"] = limit
+    return True
+
+
 def mmap_threshold():
     """The threshold `use_mmap_for_large_buffers` fixed in this process, or None (the C allocator's own)."""
     return _state["threshold"]
@@ -62,9 +87,10 @@ def mmap_threshold():
 
 def allocator_description() -> str:
     """What this process's large buffers come from, for the commands' one-line report."""
-    threshold = _state["threshold"]
+    threshold, limit = _state["threshold"], _state["mlx_cache_limit"]
     if threshold is not None:
-        return f"own maps above {threshold // 1024} KiB (freed to the system)"
+        kept = "" if limit is None else f"; MLX keeps {limit / 2**20:g} MiB of freed ones"
+        return f"own maps above {threshold // 1024} KiB (freed to the system){kept}"
     if _opted_out():
         return "the C allocator's own (MLX_H2O_ALLOCATOR=glibc)"
     return "the C allocator's own"

@@ -1,8 +1,8 @@
 """`python -m mlx_h2o.run_mlx_lm COMMAND ARGS...`: an mlx-lm command (generate, chat, server,
 cache_prompt, ...) sped up on stock MLX, for this process only: MLX's CPU matmuls on NumPy's OpenBLAS
 (`use_openblas()`: the mlx-cpu wheel's own BLAS is a reference one, ~5x slower on a SmolLM2 prefill),
-freed large buffers returned to the system (`use_mmap_for_large_buffers()`, as the `mlx-h2o` command
-does; MLX_H2O_ALLOCATOR=glibc opts out), and every model mlx-lm loads switched to mlx-h2o's CPU layer
+freed large buffers returned to the system (`use_mmap_for_large_buffers()`, `limit_mlx_buffer_cache()`,
+as the `mlx-h2o` command does; MLX_H2O_ALLOCATOR=glibc opts out), and every model mlx-lm loads switched to mlx-h2o's CPU layer
 kernels (`use_default_cpu_kernels`).
 Everything else is mlx-lm's own command:
 
@@ -16,7 +16,7 @@ kernel only (cpu_layers.SWIGLU_MLPS), which MLX has no op for.
 import runpy
 import sys
 
-from ._allocator import use_mmap_for_large_buffers
+from ._allocator import limit_mlx_buffer_cache, use_mmap_for_large_buffers
 from ._blas import use_openblas
 
 
@@ -34,6 +34,7 @@ def _with_layer_kernels(load_model):
 def main() -> None:
     use_openblas()  # before mlx-lm imports mlx.core
     use_mmap_for_large_buffers()
+    limit_mlx_buffer_cache()
     import mlx_lm.utils
 
     # mlx-lm's load / sharded_load call load_model through the module: every model they return;

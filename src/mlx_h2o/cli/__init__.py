@@ -18,7 +18,7 @@ import sys
 
 import mlx_h2o
 
-from .._allocator import use_mmap_for_large_buffers
+from .._allocator import limit_mlx_buffer_cache, use_mmap_for_large_buffers
 from .._blas import use_openblas
 from .flags import (DEFAULT_POLICIES, RECALL_MAX_KV_SIZE, _data_parent, _Deprecated, _epilog, _kv_parent, _model_parent,
                     _positive_int, _prefill_step_parent, _sweep_parent)
@@ -139,12 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     # The command opts its own process in to OpenBLAS matmuls before anything loads MLX, and to freed
-    # large buffers going back to the system (importing the package does neither); the generate
-    # command prints both. MLX_H2O_BLAS=reference and MLX_H2O_ALLOCATOR=glibc opt out.
+    # large buffers going back to the system, MLX's included (importing the package does neither);
+    # the generate command prints both. MLX_H2O_BLAS=reference and MLX_H2O_ALLOCATOR=glibc opt out.
     use_openblas()
     use_mmap_for_large_buffers()
+    limit_mlx_buffer_cache()  # (after use_openblas: it loads MLX)
     args = build_parser().parse_args(argv)
-    from .. import hook  # (after use_openblas: it loads MLX)
+    from .. import hook
 
     # A model command picks the attention for its run (--attention); called in-process, it leaves
     # the caller's choice as it found it.
