@@ -208,8 +208,9 @@ constexpr int64_t GEMM_BLOCK_FLOATS = int64_t(1) << 18;
 // as the kernels keep theirs (kernels/work.h, KeptFloats): fresh, every product of a prefill would map
 // and fault in its scratch (~10 % of a 512-token prefill), and as MLX temporaries the scratch of
 // every product the command queue has taken on would be held at once (a 512-token prefill's peak:
-// MLX's 7 MiB higher, the process's 4 MiB). A slot is given back when a product needs under an eighth of it, and all of
-// them when the thread runs a product on the kernel's rows (decode after a prefill).
+// MLX's 7 MiB higher, the process's 4 MiB). A slot is given back when a product needs under an
+// eighth of it, and all of them when the thread runs a product on the kernel's rows (decode after a
+// prefill).
 constexpr int KEPT_SLOTS = 3;
 
 struct Kept {

@@ -60,7 +60,6 @@ _COMMAND_PROCESS = """
 import sys
 import mlx_h2o
 from mlx_h2o import _allocator
-import mlx.core as mx
 if sys.argv[1] == "command":
     from mlx_h2o.cli import main
     main(["options"])  # any subcommand: the process setup comes first
@@ -68,6 +67,7 @@ elif sys.argv[1] == "run_mlx_lm":
     import mlx_h2o.run_mlx_lm as r, runpy
     runpy.run_module = lambda *a, **k: None  # the setup only, not mlx-lm's command
     r.main()
+import mlx.core as mx  # (after the command's setup, which opts in to OpenBLAS before MLX loads)
 limit = mx.set_cache_limit(0)  # (returns the limit in force)
 print(_allocator.mmap_threshold(), "|", limit, "|", _allocator.allocator_description())
 """

@@ -89,11 +89,13 @@ def allocator_description() -> str:
     """What this process's large buffers come from, for the commands' one-line report."""
     threshold, limit = _state["threshold"], _state["mlx_cache_limit"]
     if threshold is not None:
-        kept = "" if limit is None else f"; MLX keeps {limit / 2**20:g} MiB of freed ones"
-        return f"own maps above {threshold // 1024} KiB (freed to the system){kept}"
-    if _opted_out():
-        return "the C allocator's own (MLX_H2O_ALLOCATOR=glibc)"
-    return "the C allocator's own"
+        large = f"own maps above {threshold // 1024} KiB (freed to the system)"
+    elif _opted_out():
+        large = "the C allocator's own (MLX_H2O_ALLOCATOR=glibc)"
+    else:
+        large = "the C allocator's own"
+    # (the limit holds where the C allocator has no mmap threshold to fix, e.g. on macOS)
+    return large if limit is None else f"{large}; MLX keeps {limit / 2**20:g} MiB of freed ones"
 
 
 def give_back_free_heap() -> None:
