@@ -8,6 +8,9 @@ shows as what it costs.
 
 Each run: a fresh cache, the context (GPL-3, repeated) prefilled in 512-token chunks, then --tokens
 greedy steps, each step's time taken as generate_step yields it. Caches alternate within a round.
+After the first round's runs, --count-steps more steps of each cache are built one at a time and
+their graphs' primitives counted (`mx.export_to_dot`, untimed): the mean a step, h2o's compactions
+included (M / 16 steps apart per layer, staggered over the layers).
 To compare two builds, run it under each alternately (PYTHONPATH=A, then B, ...). Run it on a quiet
 machine: it waits for one, and records the load.
 """
@@ -27,6 +30,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=257, help="greedy decode steps per run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kv-dtype", help="both caches' kv_dtype (unset: the policies' default, float16 for a float32 model)")
+    p.add_argument("--count-steps", type=int, default=64, help="steps whose graphs' primitives are counted after round 1 (0: none)")
     add_quiet_arguments(p)
     args = p.parse_args(argv)
 
@@ -36,6 +40,7 @@ def main(argv=None):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
+    from mlx_h2o.evaluation.speed import graph_primitives
     from mlx_h2o.storage import KV_DTYPES
 
     if args.kv_dtype not in (None, *KV_DTYPES):
@@ -45,13 +50,23 @@ def main(argv=None):
     with open("/usr/share/common-licenses/GPL-3", encoding="utf-8") as f:
         ids = tokenizer.encode(f.read() * 4)
 
-    def run(context, name):
+    primitives = {}  # (context, cache) -> mean primitives of a decode step's graph
+
+    def run(context, name, count):
         rows = {} if args.kv_dtype is None else {"kv_dtype": args.kv_dtype}
         cache = mlx_h2o.make_cache(model, "full", **rows) if name == "full" else mlx_h2o.make_cache(model, "h2o", max_kv_size=args.max_kv_size, **rows)
-        times = []
-        for _ in generate_step(mx.array(ids[:context]), model, max_tokens=args.tokens, prompt_cache=cache,
-                               sampler=lambda lp: mx.argmax(lp, axis=-1), prefill_step_size=512):
+        times, y = [], None
+        for y, _ in generate_step(mx.array(ids[:context]), model, max_tokens=args.tokens, prompt_cache=cache,
+                                  sampler=lambda lp: mx.argmax(lp, axis=-1), prefill_step_size=512):
             times.append(time.perf_counter())
+        if count:
+            total = 0
+            for _ in range(count):  # (after the timed steps: building a graph twice would slow them)
+                logits = model(mx.array([[int(y)]]), cache=cache)
+                total += sum(graph_primitives(logits).values())
+                y = mx.argmax(logits[0, -1])
+                mx.eval(y)
+            primitives[(context, name)] = total / count
         return [(b - a) * 1e3 for a, b in zip(times, times[1:])]  # the first yield ends the prefill
 
     busy, load = wait_quiet(args, first=True)
@@ -60,7 +75,7 @@ def main(argv=None):
     for r in range(args.rounds):
         for context in args.contexts:
             for name in ("full", "h2o") if r % 2 == 0 else ("h2o", "full"):
-                steps = run(context, name)
+                steps = run(context, name, args.count_steps if r == 0 else 0)
                 runs.setdefault((context, name), []).append(steps)
                 s = sorted(steps)
                 print(f"  round {r + 1}, {context} tokens, {name}: p50 {s[len(s) // 2]:.1f} ms, p99 {s[int(0.99 * len(s))]:.1f} ms, "
@@ -68,8 +83,8 @@ def main(argv=None):
 
     rows = args.kv_dtype or "the policies' default dtype"
     print(f"\nh2o M = {args.max_kv_size}; rows in {rows}; medians over {args.rounds} runs [min-max]\n")
-    print("| context | cache | decode tok/s | vs full | step p50 ms | p99 ms | p99 / p50 | steps > 1.5x p50 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| context | cache | decode tok/s | vs full | step p50 ms | p99 ms | p99 / p50 | steps > 1.5x p50 | primitives a step |")
+    print("|---|---|---|---|---|---|---|---|---|")
 
     def med(values):
         return statistics.median(values), min(values), max(values)
@@ -83,8 +98,9 @@ def main(argv=None):
                 p50, p99 = s[len(s) // 2], s[int(0.99 * len(s))]
                 per_run.append((1e3 * len(s) / sum(s), p50, p99, p99 / p50, sum(x > 1.5 * p50 for x in s) / len(s)))
             tok_s, p50, p99, ratio, slow = (med([x[i] for x in per_run]) for i in range(5))
+            count = f"{primitives[(context, name)]:.0f}" if (context, name) in primitives else "-"
             print(f"| {context} | {name} | {tok_s[0]:.1f} [{tok_s[1]:.1f}-{tok_s[2]:.1f}] | {tok_s[0] / full_tok_s:.2f}x | {p50[0]:.1f} | "
-                  f"{p99[0]:.1f} | {ratio[0]:.2f} [{ratio[1]:.2f}-{ratio[2]:.2f}] | {100 * slow[0]:.1f} % |")
+                  f"{p99[0]:.1f} | {ratio[0]:.2f} [{ratio[1]:.2f}-{ratio[2]:.2f}] | {100 * slow[0]:.1f} % | {count} |")
     print(f"\nload at end {os.getloadavg()[0]:.2f}")
 
 

@@ -11,8 +11,9 @@
 
 namespace mlx_h2o {
 
-mx::array accumulate_prefix(const mx::array& acc, const mx::array& x, float alpha, float beta, int held,
-                            mx::StreamOrDevice s) {
+namespace {
+
+void check_accumulate(const mx::array& acc, const mx::array& x, int held) {
   if (acc.dtype() != mx::float32 || x.dtype() != mx::float32) fail("acc and x must be float32 arrays");
   if (acc.ndim() < 1 || x.ndim() != acc.ndim())
     fail("acc (..., C) and x (..., N) must have the same number of dimensions (at least 1), got " +
@@ -23,10 +24,31 @@ mx::array accumulate_prefix(const mx::array& acc, const mx::array& x, float alph
   const int C = acc.shape(-1), N = x.shape(-1);
   if (N > C) fail("x has " + std::to_string(N) + " entries along the last axis, more than acc's " + std::to_string(C));
   if (held < 0 || held > C) fail("held must be in [0, " + std::to_string(C) + "], got " + std::to_string(held));
+}
+
+}  // namespace
+
+mx::array accumulate_prefix(const mx::array& acc, const mx::array& x, float alpha, float beta, int held,
+                            mx::StreamOrDevice s) {
+  check_accumulate(acc, x, held);
   auto stream = mx::to_stream(s);
   auto p = std::make_shared<AccumulatePrefix>(stream, alpha, beta, held);
   if (stream.device != mx::Device::cpu) return p->composed({acc, x})[0];
   return mx::array(acc.shape(), mx::float32, p, {acc, x});
+}
+
+std::vector<mx::array> accumulate_prefix_along(const mx::array& acc, const mx::array& x, float alpha, float beta, int held,
+                                               const mx::array& along, mx::StreamOrDevice s) {
+  check_accumulate(acc, x, held);
+  auto stream = mx::to_stream(s);
+  auto p = std::make_shared<AccumulatePrefix>(stream, alpha, beta, held);
+  if (stream.device != mx::Device::cpu) return p->composed({acc, x, along});
+  return mx::array::make_arrays({acc.shape(), along.shape()}, {mx::float32, along.dtype()}, p, {acc, x, along});
+}
+
+std::vector<mx::Shape> AccumulatePrefix::output_shapes(const std::vector<mx::array>& inputs) {
+  if (inputs.size() == 3) return {inputs[0].shape(), inputs[2].shape()};
+  return {inputs[0].shape()};
 }
 
 void AccumulatePrefix::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -35,6 +57,7 @@ void AccumulatePrefix::eval_cpu(const std::vector<mx::array>& inputs, std::vecto
   const bool donatable = inputs[0].is_donatable();
   mx::array acc = inputs[0], x = inputs[1];
   auto& out = outputs[0];
+  if (outputs.size() == 2) outputs[1].copy_shared_buffer(inputs[2]);  // `along`, passed through
   // The kernel reads and writes rows of C (acc, out) and N (x) contiguous elements.
   const bool copied = !acc.flags().row_contiguous;
   if (copied) acc = contiguous_copy(acc, enc);
@@ -85,7 +108,9 @@ std::vector<mx::array> AccumulatePrefix::composed(const std::vector<mx::array>& 
   }
   auto updated = mx::add(mx::multiply(mx::array(alpha_), prefix, stream()), mx::multiply(mx::array(beta_), x, stream()),
                          stream());
-  return {mx::slice_update(acc, updated, start, stop, stream())};
+  auto column = mx::slice_update(acc, updated, start, stop, stream());
+  if (inputs.size() == 3) return {column, inputs[2]};
+  return {column};
 }
 
 bool AccumulatePrefix::is_equivalent(const mx::Primitive& other) const {

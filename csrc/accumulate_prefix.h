@@ -25,6 +25,14 @@ namespace mx = mlx::core;
 mx::array accumulate_prefix(const mx::array& acc, const mx::array& x, float alpha, float beta, int held,
                             mx::StreamOrDevice s = {});
 
+/** accumulate_prefix, and `along` (any array) passed through: {the updated column, along's values in
+ *  along's buffer}. The two are outputs of one primitive, so evaluating the second evaluates the
+ *  first: an attention output passed along carries its layer's score update, where a Depends
+ *  primitive per layer and decode step did. (Two outputs: the column is not updated in place, a
+ *  copy of C floats per row.) */
+std::vector<mx::array> accumulate_prefix_along(const mx::array& acc, const mx::array& x, float alpha, float beta, int held,
+                                               const mx::array& along, mx::StreamOrDevice s = {});
+
 class AccumulatePrefix : public ComposedPrimitive {
  public:
   AccumulatePrefix(mx::Stream stream, float alpha, float beta, int held)
@@ -34,7 +42,7 @@ class AccumulatePrefix : public ComposedPrimitive {
   std::vector<mx::array> composed(const std::vector<mx::array>& inputs) override;
   const char* name() const override { return "AccumulatePrefix"; }
   bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
   float alpha_, beta_;

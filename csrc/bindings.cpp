@@ -78,6 +78,10 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none(),
         "acc (..., C) float32 with its first N entries replaced by alpha * acc + beta * x (x: (..., N)),\n"
         "entries at or past `held` read as 0; one pass, in place when MLX can donate acc's buffer.");
+  m.def("accumulate_prefix_along", &mlx_h2o::accumulate_prefix_along, "acc"_a, "x"_a, "alpha"_a, "beta"_a, "held"_a,
+        "along"_a, "stream"_a = nb::none(),
+        "accumulate_prefix, and `along` passed through: [the updated column, along], outputs of one primitive,\n"
+        "so evaluating `along`'s output evaluates the column's (the column is then a copy, not updated in place).");
   m.def("rotate_rows", &mlx_h2o::rotate_rows, "x"_a, "rotation"_a, "dtype"_a, "stream"_a = nb::none(),
         "x (..., D) @ rotation (D, D), each output summed in float64 and rounded once to dtype.");
   m.def("quantize_rows_into", &mlx_h2o::quantize_rows_into, "packed"_a, "scales"_a, "biases"_a, "x"_a, "start"_a,

@@ -50,6 +50,29 @@ def test_accumulate_prefix_writes_in_place_only_an_unreferenced_column():
     assert float(kept.sum()) == 0.0 and float(out.sum()) == 60.0
 
 
+def test_accumulate_prefix_along_passes_an_array_through_beside_the_column():
+    rng = np.random.default_rng(1)
+    for trial in range(100):
+        C = int(rng.integers(1, 70))
+        N, held = int(rng.integers(0, C + 1)), int(rng.integers(0, C + 1))
+        acc = rng.standard_normal((1, 3, C)).astype(np.float32)
+        x = rng.standard_normal((1, 3, N)).astype(np.float32)
+        alpha, beta = float(rng.standard_normal()), float(rng.standard_normal())
+        along = mx.array(rng.standard_normal((1, 9, 1, 64)).astype(np.float16)) * 2  # unevaluated: a layer's output
+        a = mx.array(acc)
+        column, passed = _ext.accumulate_prefix_along(a, mx.array(x), alpha, beta, held, along)
+        assert passed.shape == along.shape and passed.dtype == along.dtype and column.dtype == mx.float32
+        mx.eval(passed)  # the column is its sibling, evaluated with it (tests/h2o/test_cache.py: decoding in constant memory)
+        np.testing.assert_array_equal(np.array(passed), np.array(along))
+        np.testing.assert_allclose(np.array(column), accumulate_reference(acc, x, alpha, beta, held), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.array(a), acc)
+    with pytest.raises(ValueError, match="held must be in"):
+        _ext.accumulate_prefix_along(mx.zeros((2, 5)), mx.zeros((2, 3)), 1.0, 1.0, 6, mx.zeros(3))
+    d_acc = mx.grad(lambda a: (_ext.accumulate_prefix_along(a, mx.ones((2, 3)), 0.5, 3.0, 2, mx.ones(4))[0] * mx.arange(5)).sum())(
+        mx.ones((2, 5)))
+    np.testing.assert_allclose(np.array(d_acc), np.tile([0.0, 0.5, 0.0, 3.0, 4.0], (2, 1)))
+
+
 def test_accumulate_prefix_derivatives_follow_its_definition():
     acc, x = mx.ones((2, 5)), mx.ones((2, 3))
     d_acc, d_x = mx.grad(lambda a, x: (_ext.accumulate_prefix(a, x, 0.5, 3.0, 2) * mx.arange(5)).sum(), argnums=(0, 1))(acc, x)

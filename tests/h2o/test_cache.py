@@ -252,9 +252,10 @@ def test_16k_decode_soak_holds_a_bounded_number_of_entries():
 def test_decoding_below_the_budget_does_not_accumulate_score_updates():
     """Score updates are nothing the model's values need: left unevaluated until an eviction reads
     them, each step's would chain the last one's, and memory would grow with every token (under a
-    large M, for as long as nothing is evicted). The layer's output depends on them (Lane.updates),
-    so evaluating a step's tokens evaluates them: decoding within preallocated buffers holds
-    constant memory."""
+    large M, for as long as nothing is evicted). The layer's output carries them (the score column's
+    update is a sibling output of the op that passes it on, ColumnedKV.accumulate; the others are
+    its dependencies, Lane.updates), so evaluating a step's tokens evaluates them: decoding within
+    preallocated buffers holds constant memory."""
     model = tiny_model("llama")
     cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=4096)
     y = mx.array([[3] * 20])

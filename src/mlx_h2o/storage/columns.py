@@ -87,17 +87,8 @@ class ColumnedKV(KVWrapper):
         one write, so a run of decode steps is one op. Returns the column's buffer."""
         if not self._waiting[name]:
             return self.columns[name] if self.columns is not None else None
-        merged: List[Tuple[int, ColumnValues]] = []
-        for L, v in self._waiting[name]:
-            last = merged[-1][1] if merged else None
-            if isinstance(v, range) and isinstance(last, range) and last.stop == v.start:
-                merged[-1] = (merged[-1][0] + L, range(last.start, v.stop))
-            elif isinstance(v, (int, float)) and isinstance(last, (int, float)) and last == v:
-                merged[-1] = (merged[-1][0] + L, v)
-            else:
-                merged.append((L, v))
         a, dtype, start = self.columns[name], getattr(mx, self.dtypes[name]), self._written(name)
-        for L, v in merged:
+        for L, v in self._waiting[name]:  # (runs merged as they were appended: _wait)
             if isinstance(v, range):
                 v = mx.arange(v.start, v.stop, dtype=dtype)
             elif isinstance(v, mx.array):
@@ -108,14 +99,23 @@ class ColumnedKV(KVWrapper):
         self._waiting[name] = []
         return a
 
-    def accumulate(self, name: str, x: mx.array, alpha: float, beta: float) -> None:
+    def accumulate(self, name: str, x: mx.array, alpha: float, beta: float, along: Optional[mx.array] = None):
         """Column `name` <- alpha * column + beta * x over the held entries (x: (B, H, length)
-        float32), in one op that reads entries appended with the value 0 and not yet written as 0."""
-        if x.shape[-1] != self.length or any(not (isinstance(v, (int, float)) and v == 0) for _, v in self._waiting[name]):
+        float32), in one op that reads entries appended with the value 0 and not yet written as 0.
+        `along`: an array passed through the op and returned, whose evaluation then brings the
+        column's (an attention output carrying its score update: no Depends primitive per call)."""
+        waiting, length = self._waiting[name], self.length  # (a wrapped storage's length is a chain of calls)
+        if waiting and (x.shape[-1] != length or any(not (isinstance(v, (int, float)) and v == 0) for _, v in waiting)):
             self._write(name)
-        self.columns[name] = _ext.accumulate_prefix(self.columns[name], x.astype(mx.float32), float(alpha), float(beta),
-                                                    self._written(name))
-        self._waiting[name] = []  # the op wrote the waiting zeros (or they were written above)
+            waiting = ()
+        held = length - sum(L for L, _ in waiting)  # _written(name)
+        args = (self.columns[name], x if x.dtype == mx.float32 else x.astype(mx.float32), float(alpha), float(beta), held)
+        self._waiting[name] = []  # the op writes the waiting zeros (or they were written above)
+        if along is None:
+            self.columns[name] = _ext.accumulate_prefix(*args)
+            return None
+        self.columns[name], along = _ext.accumulate_prefix_along(*args, along)
+        return along
 
     def write_column_at(self, name: str, idx: mx.array, values: mx.array) -> None:
         """Overwrite column `name` at entries idx (B, H, n) with `values` (B, H, n)."""
@@ -126,11 +126,11 @@ class ColumnedKV(KVWrapper):
 
     def append(self, keys, values, capacity=None, transform=None, **columns: ColumnValues) -> None:
         """Rows as `KVStorage.append`, and each column's values for them (written when read)."""
-        if set(columns) != set(self.dtypes):
+        if columns.keys() != self.dtypes.keys():
             raise ValueError(f"append needs the columns {sorted(self.dtypes)}, got {sorted(columns)}")
         B, H, L = keys.shape[:3]
         for name, v in columns.items():
-            if _count(v) not in (None, L):
+            if not isinstance(v, (int, float)) and _count(v) not in (None, L):
                 raise ValueError(f"column {name!r} got {_count(v)} values for {L} entries")
         n = self.length
         if self.columns is None:
@@ -141,7 +141,7 @@ class ColumnedKV(KVWrapper):
             self.columns = dict(zip(written, grow_rows(written.values(), n, capacity_for(n + L, capacity))))
         self.inner.append(keys, values, capacity, transform)
         for name, v in columns.items():
-            self._waiting[name].append((L, v))
+            _wait(self._waiting[name], L, v)
 
     @property
     def columns_capacity(self) -> int:
@@ -150,7 +150,7 @@ class ColumnedKV(KVWrapper):
     def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
         """`KVStorage.gather`; idx names live rows only. With `masks_shared`, a prefix shared with
         copies stays in place when every head keeps at least half of it (_gather_after_shared)."""
-        if self.masks_shared and self._gather_after_shared(idx[..., :keep], keep, capacity):
+        if self.masks_shared and self.inner.shared_length and self._gather_after_shared(idx[..., :keep], keep, capacity):
             return
         padded = pad_indices(idx, capacity)
         self.columns = {k: gather_rows(a, padded) for k, a in self.written_columns().items()}
@@ -223,6 +223,21 @@ class ColumnedKV(KVWrapper):
         self._all_written()
         self.dead = state.get("dead")  # (saved rows hold no shared prefix, but keep the dead ones)
         self.dead_count = 0 if self.dead is None else int(np.array(self.dead[0, 0].sum()))
+
+
+def _wait(waiting: List[Tuple[int, ColumnValues]], L: int, v: ColumnValues) -> None:
+    """Add an append's (L, values) to a column's waiting writes, merged into the last one where they
+    continue it (a run of equal numbers, or of consecutive ranges): a run of decode steps waits as
+    one write, however many steps pass before something reads the column."""
+    if waiting:
+        n, last = waiting[-1]
+        if isinstance(v, range) and isinstance(last, range) and last.stop == v.start:
+            waiting[-1] = (n + L, range(last.start, v.stop))
+            return
+        if isinstance(v, (int, float)) and isinstance(last, (int, float)) and last == v:
+            waiting[-1] = (n + L, v)
+            return
+    waiting.append((L, v))
 
 
 def _count(v: ColumnValues) -> Optional[int]:

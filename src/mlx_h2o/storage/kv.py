@@ -15,7 +15,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .._ops import MAX_SEGMENTS
-from .rows import RowStore, capacity_for, pad_indices
+from .rows import RowStore, capacity_for, flat_rows, pad_indices
 
 # (q_rotation, out_rotation): float32 (D, D) matrices the attention op multiplies queries and output by
 # (KVStorage.rotations).
@@ -257,9 +257,12 @@ class KVStore(KVStorage):
             # (encode only builds the graph here, never evaluated: the buffers' shapes and dtypes)
             self.k.reserve(self.k.encode(keys), start, own)
             self.v.reserve(self.v.encode(values), start, own)
-        t = transform or RowTransform()
-        self.k.put(start, keys, t.rk, t.key_center)
-        self.v.put(start, values, t.rv)
+        if transform is None:
+            self.k.put(start, keys)
+            self.v.put(start, values)
+        else:
+            self.k.put(start, keys, transform.rk, transform.key_center)
+            self.v.put(start, values, transform.rv)
         self._length = needed
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
@@ -269,8 +272,9 @@ class KVStore(KVStorage):
     def gather_own(self, idx: mx.array, keep: int, capacity: int) -> None:
         if self.k.arrays is not None:  # (no rows of its own after a shared prefix: nothing to keep)
             idx = pad_indices(idx, capacity)
-            self.k.gather(idx)
-            self.v.gather(idx)
+            flat = flat_rows(idx, self.k.capacity) if self.k.capacity == self.v.capacity else None  # K's and V's
+            self.k.gather(idx, flat)
+            self.v.gather(idx, flat)
         self._length = keep
 
     def drop_front(self, n: int) -> None:

@@ -208,4 +208,6 @@ class Budget:
 
     def pinned_before(self, offset: int) -> int:
         """How many pinned positions lie in [0, offset)."""
+        if not self.pin:  # (read three times per layer and decode step)
+            return 0
         return sum(max(0, min(e, offset) - s) for s, e in self.pin)

@@ -64,6 +64,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
         self.budget_group, self.budget_index = None, 0
         self.budget_allocated = config.budget.layer_budget != "dispersion"
         self.evict_phase = None  # this layer's turn to compact (Budget.keep_count); the policy staggers its layers
+        self._kept_for = self._kept = None  # kept_dtype's answer by name (None: as the rows come) and the config it is for
         self.reset()
 
     def reset(self):
@@ -154,8 +155,11 @@ class H2OKVCache(SharesGroup, AttendingCache):
         """The dtype rows that arrive in `dtype` are kept in before any packing (the flat llama block
         has its kernel write them so). Until the budget is resolved they must come in the model's
         dtype, which a byte budget is sized in."""
-        kv_dtype = self.config.storage.kv_dtype
-        return dtype if kv_dtype is None or not self.config.budget.resolved else getattr(mx, kv_dtype)
+        config = self.config
+        if self._kept_for is not config:  # (asked by every layer at every step: worked out once per configuration)
+            kv_dtype = config.storage.kv_dtype
+            self._kept_for, self._kept = config, None if kv_dtype is None or not config.budget.resolved else kv_dtype
+        return dtype if self._kept is None else getattr(mx, self._kept)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self._awaiting_scores and not self.scoreless:
@@ -290,6 +294,9 @@ def _check_call(lanes, keys, values, mask):
         if isinstance(mask, mx.array) and len({lane.length for lane in lanes}) > 1:
             raise ValueError("head_budget='adaptive' attends each head over its own entries: the mask must be None or 'causal'")
         return
-    N = sum(k.length if isinstance(k, PackedKV) else k.shape[2] for k, _ in (keys if isinstance(keys, list) else [(keys, values)]))
+    if isinstance(keys, list):
+        N = sum(k.length if isinstance(k, PackedKV) else k.shape[2] for k, _ in keys)
+    else:
+        N = keys.length if isinstance(keys, PackedKV) else keys.shape[2]
     if N != lanes[0].length:
         raise ValueError(f"attention over {N} keys but the h2o cache holds {lanes[0].length}: keys must come from update_and_fetch")

@@ -101,7 +101,10 @@ class Keeper:
             self._merge(lane, kept_idx, keep)
         elif drops and self.evicted_bits is not None:
             self._archive(lane, kept_idx, keep, rule, offset)
-        lane.store.gather(pad_indices(kept_idx, capacity), keep, recent, capacity)
+        # (the eviction plan's idx comes padded to `capacity` with zeros already: slicing and padding it
+        # again would be 4 primitives more)
+        padded = idx if idx.shape[2] == capacity else pad_indices(kept_idx, capacity)
+        lane.store.gather(padded, keep, recent, capacity)
 
     def _merge(self, lane: Lane, kept_idx: mx.array, keep: int):
         """Fold the entries about to be evicted into their most similar kept entries (merge_evicted),

@@ -121,22 +121,23 @@ class Lane:
         alpha, beta = scorer.rule.coefficients(rows, live)
         if T:
             self.archive.accumulate("acc", stats[..., :T], alpha, beta)
-        store.accumulate("acc", stats[..., T:] if T else stats, alpha, beta)
         out = out if rotations else store.restore_output(out, queries.dtype)
-        return mx.depends(out, self.updates()), raw
+        out = store.accumulate("acc", stats[..., T:] if T else stats, alpha, beta, along=out)
+        others = self.updates()
+        return (mx.depends(out, others) if others else out), raw
 
     def updates(self) -> list:
-        """What attention updates beside its output (the score columns, the running query
-        statistics): each call's update reads the last one's, so left unevaluated they would chain
-        every step's scores until the next eviction read them (~0.4 MB a token for SmolLM2, growing
-        without bound under an M not reached). The output depends on them, so they are evaluated
-        with the step: a separate evaluation of them every few tokens (an `async_eval` per layer,
-        60-300 µs each) cost more than their few primitives."""
+        """What attention updates beside its output and its score column (the archive's columns, the
+        running query statistics). Each call's update reads the last one's, so left unevaluated they
+        would chain every step's scores until the next eviction read them (~0.4 MB a token for
+        SmolLM2, growing without bound under an M not reached). So the output carries them: the
+        score column's update is an output of the primitive that passes the attention output on
+        (ColumnedKV.accumulate), the others are its dependencies. A separate evaluation of them every
+        few tokens (an `async_eval` per layer, 60-300 µs each) cost more than their few primitives."""
         # (The lane's other columns change only at an append or an eviction, not from step to step;
         # the archive's all change at an eviction, which writes them at once: keeper.py.)
-        scores = [self.store.columns["acc"]] if self.store.columns else []
         archived = list(self.archive.columns.values()) if self.archive is not None and self.archive.columns else []
-        return scores + archived + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
+        return archived + ([self.q_mean, self.q_sq] if self.q_mean is not None else [])
 
     def trimmable(self, n: int, offset: int) -> int:
         """How many of the newest n tokens this lane can forget: its trailing run of consecutive
