@@ -89,18 +89,17 @@ class DenseRows(NamedTuple):
     rows: int
 
 
-def _segment_source(x, what):
-    """(arrays, bits, group_size, rows) of one K or V, as the extension's op takes it (rows -1: all).
-    `what` names it in an error: a string, or (segment index, 0 for K / 1 for V)."""
+def _segment_source(x, i: int, role: int):
+    """(arrays, bits, group_size, rows) of one K or V, as the extension's op takes it (rows -1: all):
+    segments[i][role], role 0 for K and 1 for V (the name formatted only for an error: an h2o
+    decode step makes this call twice per layer)."""
     if isinstance(x, mx.array):
         return [x], 0, 0, -1
     if isinstance(x, PackedKV):
         return [x.packed, x.scales, x.biases], x.bits, x.group_size, -1 if x.rows is None else _check_int(x.rows, "rows")
     if isinstance(x, DenseRows):
         return [x.buffer], 0, 0, _check_int(x.rows, "rows")
-    if isinstance(what, tuple):
-        what = f"segments[{what[0]}][{what[1]}]"
-    raise ValueError(f"{what} must be an mx.array, a PackedKV or DenseRows, got {type(x).__name__}")
+    raise ValueError(f"segments[{i}][{role}] must be an mx.array, a PackedKV or DenseRows, got {type(x).__name__}")
 
 
 def _triple(x, name):
@@ -183,8 +182,7 @@ def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="ma
     for i, seg in enumerate(segments):
         if not isinstance(seg, (tuple, list)) or len(seg) != 2:
             raise ValueError(f"segments[{i}] must be a (k, v) pair")
-        # (the names formatted only for an error: an h2o decode step makes this call once per layer)
-        native.append((*_segment_source(seg[0], (i, 0)), *_segment_source(seg[1], (i, 1))))
+        native.append((*_segment_source(seg[0], i, 0), *_segment_source(seg[1], i, 1)))
     return _attend(q, native, scale, mask, scores, sinks, bool(composed), stream, (q_rotation, out_rotation))
 
 

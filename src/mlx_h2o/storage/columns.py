@@ -68,9 +68,10 @@ class ColumnedKV(KVWrapper):
         # buffer holds the first length - (their entries) values.
         self._waiting: Dict[str, List[Tuple[int, ColumnValues]]] = {k: [] for k in self.dtypes}
 
-    def _written(self, name: str) -> int:
-        """Entries whose values column `name`'s buffer holds."""
-        return self.length - sum(L for L, _ in self._waiting[name])
+    def _written(self, name: str, length: Optional[int] = None) -> int:
+        """Entries whose values column `name`'s buffer holds; `length`: self.length where the caller
+        has it (a wrapped storage's length is a chain of calls)."""
+        return (self.length if length is None else length) - sum(L for L, _ in self._waiting[name])
 
     def column(self, name: str) -> mx.array:
         """Column `name` of the held entries, (B, H, length)."""
@@ -104,11 +105,10 @@ class ColumnedKV(KVWrapper):
         float32), in one op that reads entries appended with the value 0 and not yet written as 0.
         `along`: an array passed through the op and returned, whose evaluation then brings the
         column's (an attention output carrying its score update: no Depends primitive per call)."""
-        waiting, length = self._waiting[name], self.length  # (a wrapped storage's length is a chain of calls)
+        waiting, length = self._waiting[name], self.length
         if waiting and (x.shape[-1] != length or any(not (isinstance(v, (int, float)) and v == 0) for _, v in waiting)):
             self._write(name)
-            waiting = ()
-        held = length - sum(L for L, _ in waiting)  # _written(name)
+        held = self._written(name, length)
         args = (self.columns[name], x if x.dtype == mx.float32 else x.astype(mx.float32), float(alpha), float(beta), held)
         self._waiting[name] = []  # the op writes the waiting zeros (or they were written above)
         if along is None:
@@ -130,7 +130,7 @@ class ColumnedKV(KVWrapper):
             raise ValueError(f"append needs the columns {sorted(self.dtypes)}, got {sorted(columns)}")
         B, H, L = keys.shape[:3]
         for name, v in columns.items():
-            if not isinstance(v, (int, float)) and _count(v) not in (None, L):
+            if _count(v) not in (None, L):
                 raise ValueError(f"column {name!r} got {_count(v)} values for {L} entries")
         n = self.length
         if self.columns is None:
@@ -150,7 +150,7 @@ class ColumnedKV(KVWrapper):
     def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
         """`KVStorage.gather`; idx names live rows only. With `masks_shared`, a prefix shared with
         copies stays in place when every head keeps at least half of it (_gather_after_shared)."""
-        if self.masks_shared and self.inner.shared_length and self._gather_after_shared(idx[..., :keep], keep, capacity):
+        if self.masks_shared and self._gather_after_shared(idx, keep, capacity):
             return
         padded = pad_indices(idx, capacity)
         self.columns = {k: gather_rows(a, padded) for k, a in self.written_columns().items()}
@@ -159,7 +159,7 @@ class ColumnedKV(KVWrapper):
         self.dead, self.dead_count = None, 0
 
     def _gather_after_shared(self, idx: mx.array, keep: int, capacity: int) -> bool:
-        """Keep rows idx (B, H, keep), ascending, leaving the shared prefix in place: its rows not in
+        """Keep rows idx[..., :keep] (ascending), leaving the shared prefix in place: its rows not in
         idx become dead, and the rows after it are compacted per head to the largest count any head
         keeps, the shorter heads padded with dead rows. False (nothing done) when there is no shared
         prefix or some head keeps less than half of it: then reading the dead rows would cost more
@@ -167,6 +167,7 @@ class ColumnedKV(KVWrapper):
         S = self.inner.shared_length
         if not S:
             return False
+        idx = idx[..., :keep]  # (sliced only here: a compaction without a shared prefix never uses it)
         B, H = idx.shape[:2]
         in_prefix = idx < S
         kept_in_prefix = np.array(in_prefix.sum(axis=-1))  # evaluates the eviction's choice (one sync)
