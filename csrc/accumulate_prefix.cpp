@@ -11,8 +11,6 @@
 
 namespace mlx_h2o {
 
-namespace {
-
 void check_accumulate(const mx::array& acc, const mx::array& x, int held) {
   if (acc.dtype() != mx::float32 || x.dtype() != mx::float32) fail("acc and x must be float32 arrays");
   if (acc.ndim() < 1 || x.ndim() != acc.ndim())
@@ -26,7 +24,18 @@ void check_accumulate(const mx::array& acc, const mx::array& x, int held) {
   if (held < 0 || held > C) fail("held must be in [0, " + std::to_string(C) + "], got " + std::to_string(held));
 }
 
-}  // namespace
+void accumulate_prefix_rows(const float* acc, const float* x, float* out, int64_t rows, int64_t C, int64_t N, int64_t held,
+                            float alpha, float beta) {
+  held = std::min(held, N);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* ar = acc + r * C;
+    const float* xr = x + r * N;
+    float* orow = out + r * C;
+    if (orow != ar) std::memcpy(orow + N, ar + N, (C - N) * sizeof(float));
+    for (int64_t i = 0; i < held; ++i) orow[i] = alpha * ar[i] + beta * xr[i];
+    for (int64_t i = held; i < N; ++i) orow[i] = beta * xr[i];
+  }
+}
 
 mx::array accumulate_prefix(const mx::array& acc, const mx::array& x, float alpha, float beta, int held,
                             mx::StreamOrDevice s) {
@@ -75,18 +84,8 @@ void AccumulatePrefix::eval_cpu(const std::vector<mx::array>& inputs, std::vecto
   enc.set_output_array(out);
   const int64_t C = acc.shape(-1), N = x.shape(-1);
   const int64_t rows = C == 0 ? 0 : static_cast<int64_t>(acc.size()) / C;
-  const int64_t held = std::min<int64_t>(held_, N);
-  enc.dispatch([a = acc.data<float>(), xs = x.data<float>(), o = out.data<float>(), in_place, rows, C, N, held,
-                alpha = alpha_, beta = beta_]() {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* ar = a + r * C;
-      const float* xr = xs + r * N;
-      float* orow = o + r * C;
-      if (!in_place) std::memcpy(orow + N, ar + N, (C - N) * sizeof(float));
-      for (int64_t i = 0; i < held; ++i) orow[i] = alpha * ar[i] + beta * xr[i];
-      for (int64_t i = held; i < N; ++i) orow[i] = beta * xr[i];
-    }
-  });
+  enc.dispatch([a = acc.data<float>(), xs = x.data<float>(), o = out.data<float>(), rows, C, N, held = held_,
+                alpha = alpha_, beta = beta_]() { accumulate_prefix_rows(a, xs, o, rows, C, N, held, alpha, beta); });
 }
 
 void AccumulatePrefix::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

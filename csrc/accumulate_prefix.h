@@ -18,6 +18,14 @@ namespace mlx_h2o {
 
 namespace mx = mlx::core;
 
+/** ValueError unless accumulate_prefix takes (acc, x, held). */
+void check_accumulate(const mx::array& acc, const mx::array& x, int held);
+
+/** The CPU loop behind accumulate_prefix: `rows` rows of acc (C floats each) and x (N), into out
+ *  (C each); out may be acc itself (in place: its entries [N, C) are then left as they are). */
+void accumulate_prefix_rows(const float* acc, const float* x, float* out, int64_t rows, int64_t C, int64_t N, int64_t held,
+                            float alpha, float beta);
+
 /** `acc` (..., C) float32 with its first N entries along the last axis replaced by
  *  alpha * acc[..., i] + beta * x[..., i], where x is (..., N) float32 with acc's leading shape and
  *  N <= C. Entries at or past `held` (0 <= held <= C) are read as 0: entries appended since the

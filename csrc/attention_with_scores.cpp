@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -11,6 +12,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#include "accumulate_prefix.h"
 #include "kv_rows.h"
 #include "op_utils.h"
 #include "parallel.h"
@@ -185,6 +187,17 @@ void check_rotations(const Checked& c, const mx::array& q, const std::optional<m
   if (out_rotation) check_rotation(*out_rotation, c.Dv, "out_rotation", q);
 }
 
+void check_column(const Checked& c, const std::optional<ScoreColumn>& column) {
+  if (!column) return;
+  if (c.score_mode != ScoreMode::mass) fail("a score column takes scores 'mass'");
+  const auto& acc = column->acc;
+  if (acc.dtype() != mx::float32 || acc.ndim() != 3 || acc.shape(0) != c.B || acc.shape(1) != c.Hkv || acc.shape(2) < c.N)
+    fail("the score column must be float32 (B, Hkv, C >= N) = (" + std::to_string(c.B) + ", " + std::to_string(c.Hkv) +
+         ", >= " + std::to_string(c.N) + "), got " + shape_str(acc.shape()));
+  if (column->held < 0 || column->held > acc.shape(2))
+    fail("the score column's held must be in [0, " + std::to_string(acc.shape(2)) + "], got " + std::to_string(column->held));
+}
+
 }  // namespace
 
 namespace {
@@ -205,9 +218,11 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q_in, con
                                                       const std::optional<mx::array>& mask, const std::string& scores,
                                                       const std::optional<mx::array>& sinks,
                                                       const std::optional<mx::array>& q_rotation,
-                                                      const std::optional<mx::array>& out_rotation, mx::StreamOrDevice s) {
+                                                      const std::optional<mx::array>& out_rotation,
+                                                      const std::optional<ScoreColumn>& column, mx::StreamOrDevice s) {
   const Checked c = check_args(q_in, segments, scale, mask_mode, mask, scores, sinks);
   check_rotations(c, q_in, q_rotation, out_rotation);
+  check_column(c, column);
   using namespace mlx::core;
   const auto q = q_rotation ? rotated(q_in, *q_rotation, float32, s) : q_in;
   const int B = c.B, Hq = c.Hq, Hkv = c.Hkv, L = c.L, N = c.N, G = Hq / Hkv;
@@ -249,7 +264,11 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q_in, con
   probs = where(seen, probs, array(0.0f, float32), s);
   auto out = reshape(matmul(probs, vf, s), {B, Hq, L, c.Dv}, s);
   out = out_rotation ? rotated(out, *out_rotation, q_in.dtype(), s) : astype(out, q_in.dtype(), s);
-  if (c.score_mode == ScoreMode::mass) return {out, sum(probs, std::vector<int>{2, 3}, false, s)};
+  if (c.score_mode == ScoreMode::mass) {
+    auto mass = sum(probs, std::vector<int>{2, 3}, false, s);
+    if (column) return {out, mass, accumulate_prefix(column->acc, mass, column->alpha, column->beta, column->held, s)};
+    return {out, mass};
+  }
   if (c.score_mode == ScoreMode::logits) return {out, reshape(logits, {B, Hq, L, N}, s)};
   return {out};
 }
@@ -258,13 +277,15 @@ std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vect
                                              const std::string& mask_mode, const std::optional<mx::array>& mask,
                                              const std::string& scores, const std::optional<mx::array>& sinks,
                                              const std::optional<mx::array>& q_rotation,
-                                             const std::optional<mx::array>& out_rotation, mx::StreamOrDevice s) {
+                                             const std::optional<mx::array>& out_rotation,
+                                             const std::optional<ScoreColumn>& column, mx::StreamOrDevice s) {
   const Checked c = check_args(q, segments, scale, mask_mode, mask, scores, sinks);
   check_rotations(c, q, q_rotation, out_rotation);
+  check_column(c, column);
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu)
     return attention_with_scores_composed(q, segments, scale, mask_mode, mask, scores, sinks, q_rotation, out_rotation,
-                                          stream);
+                                          column, stream);
 
   std::vector<mx::array> inputs = {q};
   std::vector<SegmentFormat> formats;
@@ -281,11 +302,20 @@ std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vect
   if (sinks) inputs.push_back(*sinks);
   if (q_rotation) inputs.push_back(*q_rotation);
   if (out_rotation) inputs.push_back(*out_rotation);
+  std::optional<AttentionWithScores::Fold> fold;
+  if (column) {
+    inputs.push_back(column->acc);
+    fold = AttentionWithScores::Fold{column->alpha, column->beta, column->held};
+  }
   std::vector<mx::Shape> shapes = {{c.B, c.Hq, c.L, c.Dv}};
   std::vector<mx::Dtype> dtypes = {q.dtype()};
   if (c.score_mode == ScoreMode::mass) {
     shapes.push_back({c.B, c.Hkv, c.N});
     dtypes.push_back(mx::float32);
+    if (column) {
+      shapes.push_back(column->acc.shape());
+      dtypes.push_back(mx::float32);
+    }
   } else if (c.score_mode == ScoreMode::logits) {
     shapes.push_back({c.B, c.Hq, c.L, c.N});
     dtypes.push_back(mx::float32);
@@ -293,7 +323,7 @@ std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vect
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
       std::make_shared<AttentionWithScores>(stream, scale, c.mask_kind, c.score_mode, sinks.has_value(), std::move(formats),
-                                            attention_int8_queries(), q_rotation.has_value(), out_rotation.has_value()),
+                                            attention_int8_queries(), q_rotation.has_value(), out_rotation.has_value(), fold),
       inputs);
 }
 
@@ -307,7 +337,8 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
     if (needs_copy(in[i])) in[i] = contiguous_copy(in[i], enc);
   // The rotations read rows of unit stride: q's, and the matrices' (row-major).
   if (q_rotated_ && needs_copy(in[0])) in[0] = contiguous_copy(in[0], enc);
-  for (size_t r = in.size() - q_rotated_ - out_rotated_; r < in.size(); ++r)
+  // The rotations read rows of unit stride, the column whole rows: copied unless row-contiguous.
+  for (size_t r = in.size() - q_rotated_ - out_rotated_ - fold_.has_value(); r < in.size(); ++r)
     if (!in[r].flags().row_contiguous) in[r] = contiguous_copy(in[r], enc);
 
   AttentionProblem p;
@@ -342,6 +373,8 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   }
   const float* q_rotation = q_rotated_ ? in[i++].data<float>() : nullptr;
   const float* out_rotation = out_rotated_ ? in[i++].data<float>() : nullptr;
+  const float* column = fold_ ? in[i++].data<float>() : nullptr;
+  // (The column is written into a buffer of its own: an input of a multi-output primitive is never donatable.)
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
   p.out = outputs[0].data<void>();
   p.out_type = elem_type(outputs[0].dtype());
@@ -351,12 +384,22 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   p.int8_queries = int8_queries_;
   for (auto& a : in) enc.set_input_array(a);
   for (auto& o : outputs) enc.set_output_array(o);
+  // The mass of this call folded into the score column, after the kernel wrote it.
+  std::function<void()> fold_column = [] {};
+  if (fold_) {
+    const int64_t C = outputs[2].shape(2);
+    fold_column = [column, mass = p.scores, out = outputs[2].data<float>(), rows = int64_t{p.B} * p.Hkv, C, N = p.N,
+                   f = *fold_]() { accumulate_prefix_rows(column, mass, out, rows, C, N, f.held, f.alpha, f.beta); };
+  }
   if (!q_rotation && !out_rotation) {
-    enc.dispatch([p]() { attention_cpu(p); });
+    enc.dispatch([p, fold_column]() {
+      attention_cpu(p);
+      fold_column();
+    });
     return;
   }
   // A rotated cache's queries and output, rotated around the kernel in float32 scratch.
-  enc.dispatch([p, q_rotation, out_rotation, q_dtype = q.dtype(), out_dtype = outputs[0].dtype()]() mutable {
+  enc.dispatch([p, q_rotation, out_rotation, fold_column, q_dtype = q.dtype(), out_dtype = outputs[0].dtype()]() mutable {
     const int64_t rows = static_cast<int64_t>(p.B) * p.Hq * p.L;
     std::vector<float> q_rotated, out_unrotated;
     if (q_rotation) {
@@ -379,6 +422,7 @@ void AttentionWithScores::eval_cpu(const std::vector<mx::array>& inputs, std::ve
       p.out_type = ElemType::float32;
     }
     attention_cpu(p);
+    fold_column();
     if (out_rotation)
       rotate_rows_cpu(out_unrotated.data(), mx::float32, p.Dv, RotationPlan(out_rotation, p.Dv), out, out_dtype, rows, p.Dv);
   });
@@ -402,10 +446,12 @@ std::vector<mx::array> AttentionWithScores::composed(const std::vector<mx::array
   if (has_sinks_) sinks = inputs[i++];
   if (q_rotated_) q_rotation = inputs[i++];
   if (out_rotated_) out_rotation = inputs[i++];
+  std::optional<ScoreColumn> column;
+  if (fold_) column = ScoreColumn{inputs[i++], fold_->alpha, fold_->beta, fold_->held};
   const char* mode = mask_kind_ == MaskKind::causal ? "causal" : mask_kind_ == MaskKind::array ? "array" : "";
   const char* scores = score_mode_ == ScoreMode::mass ? "mass" : score_mode_ == ScoreMode::logits ? "logits" : "";
   return attention_with_scores_composed(inputs[0], segments, scale_, mode, mask, scores, sinks, q_rotation, out_rotation,
-                                        stream());
+                                        column, stream());
 }
 
 void AttentionWithScores::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -417,7 +463,7 @@ bool AttentionWithScores::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const AttentionWithScores&>(other);
   return scale_ == o.scale_ && mask_kind_ == o.mask_kind_ && score_mode_ == o.score_mode_ &&
          has_sinks_ == o.has_sinks_ && formats_ == o.formats_ && int8_queries_ == o.int8_queries_ &&
-         q_rotated_ == o.q_rotated_ && out_rotated_ == o.out_rotated_;
+         q_rotated_ == o.q_rotated_ && out_rotated_ == o.out_rotated_ && fold_ == o.fold_;
 }
 
 std::vector<mx::Shape> AttentionWithScores::output_shapes(const std::vector<mx::array>& inputs) {
@@ -433,6 +479,7 @@ std::vector<mx::Shape> AttentionWithScores::output_shapes(const std::vector<mx::
   }
   std::vector<mx::Shape> shapes = {{q.shape(0), q.shape(1), q.shape(2), Dv}};
   if (score_mode_ == ScoreMode::mass) shapes.push_back({q.shape(0), Hkv, N});
+  if (fold_) shapes.push_back(inputs.back().shape());  // the column, the last input
   if (score_mode_ == ScoreMode::logits) shapes.push_back({q.shape(0), q.shape(1), q.shape(2), N});
   return shapes;
 }

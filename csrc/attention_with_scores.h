@@ -38,6 +38,16 @@ struct SegmentInput {
   KVInput k, v;
 };
 
+/** A running per-key statistic (an h2o cache's score column) that the op folds its mass into:
+ *  `acc` (B, Hkv, C) float32, C >= N, becomes accumulate_prefix(acc, mass, alpha, beta, held), an
+ *  output of the attention primitive itself. A cache's decode step then has no primitive of its own
+ *  for its score update: ~9 us each of a 2-core step, one per layer (docs/cpu-decode.md). */
+struct ScoreColumn {
+  mx::array acc;
+  float alpha = 1.0f, beta = 1.0f;
+  int held = 0;
+};
+
 /**
  * Attention of q (B, Hq, L, Dk) over the keys of `segments` taken in order (N = total length):
  * mask_mode "" (none), "causal" (query row i at absolute position N - L + i) or "array" with `mask`
@@ -51,12 +61,15 @@ struct SegmentInput {
  * (Dk, Dk), attends with q @ q_rotation in float32; out_rotation, float32 (Dv, Dv), returns the output
  * times it, in q's dtype. Both as rotate_rows computes them (float64 sums, rounded once), inside this
  * op: a rotated cache's step needs no rotate_rows primitive of its own for its queries and output.
+ *
+ * With a `column` (scores "mass" only): {out, scores, the column with the scores folded in}.
  */
 std::vector<mx::array> attention_with_scores(const mx::array& q, const std::vector<SegmentInput>& segments, float scale,
                                              const std::string& mask_mode, const std::optional<mx::array>& mask,
                                              const std::string& scores, const std::optional<mx::array>& sinks,
                                              const std::optional<mx::array>& q_rotation = std::nullopt,
                                              const std::optional<mx::array>& out_rotation = std::nullopt,
+                                             const std::optional<ScoreColumn>& column = std::nullopt,
                                              mx::StreamOrDevice s = {});
 
 /** The same computation from stock MLX ops (dequantize, concatenate, matmul, softmax): the
@@ -67,6 +80,7 @@ std::vector<mx::array> attention_with_scores_composed(const mx::array& q, const 
                                                       const std::optional<mx::array>& sinks,
                                                       const std::optional<mx::array>& q_rotation = std::nullopt,
                                                       const std::optional<mx::array>& out_rotation = std::nullopt,
+                                                      const std::optional<ScoreColumn>& column = std::nullopt,
                                                       mx::StreamOrDevice s = {});
 
 /** Whether new attention ops round the queries to int8 for packed 4-/8-bit keys (integer Q K^T; the
@@ -85,11 +99,18 @@ struct SegmentFormat {
 
 class AttentionWithScores : public ComposedPrimitive {
  public:
-  // Inputs: q, each segment's K then V arrays, the mask (array mode), sinks, q_rotation, out_rotation
-  // (those present, in that order).
+  /** How a score column is folded in (ScoreColumn less its array). */
+  struct Fold {
+    float alpha, beta;
+    int held;
+    bool operator==(const Fold& o) const { return alpha == o.alpha && beta == o.beta && held == o.held; }
+  };
+
+  // Inputs: q, each segment's K then V arrays, the mask (array mode), sinks, q_rotation, out_rotation,
+  // the score column (those present, in that order).
   AttentionWithScores(mx::Stream stream, float scale, MaskKind mask_kind, ScoreMode score_mode, bool has_sinks,
                       std::vector<SegmentFormat> formats, bool int8_queries, bool q_rotated = false,
-                      bool out_rotated = false)
+                      bool out_rotated = false, std::optional<Fold> fold = std::nullopt)
       : ComposedPrimitive(stream),
         scale_(scale),
         mask_kind_(mask_kind),
@@ -98,7 +119,8 @@ class AttentionWithScores : public ComposedPrimitive {
         formats_(std::move(formats)),
         int8_queries_(int8_queries),
         q_rotated_(q_rotated),
-        out_rotated_(out_rotated) {}
+        out_rotated_(out_rotated),
+        fold_(fold) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -118,6 +140,7 @@ class AttentionWithScores : public ComposedPrimitive {
   std::vector<SegmentFormat> formats_;
   bool int8_queries_;
   bool q_rotated_, out_rotated_;
+  std::optional<Fold> fold_;
 };
 
 }  // namespace mlx_h2o

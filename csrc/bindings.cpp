@@ -17,6 +17,7 @@
 #include "parallel.h"
 #include "kv_rows.h"
 #include "quantized_matmul.h"
+#include "take_rows.h"
 #include "uninitialized.h"
 
 namespace nb = nanobind;
@@ -82,6 +83,9 @@ NB_MODULE(_ext, m) {
         "along"_a, "stream"_a = nb::none(),
         "accumulate_prefix, and `along` passed through: [the updated column, along], outputs of one primitive,\n"
         "so evaluating `along`'s output evaluates the column's (the column is then a copy, not updated in place).");
+  m.def("take_rows", &mlx_h2o::take_rows, "arrays"_a, "idx"_a, "stream"_a = nb::none(),
+        "For each array (B, H, C, ...), its rows idx (B, H, K) (int32 / uint32) per (batch, head): a list of (B, H, K, ...)\n"
+        "arrays, one primitive for all (an index outside [0, C) gives a row of zeros).");
   m.def("rotate_rows", &mlx_h2o::rotate_rows, "x"_a, "rotation"_a, "dtype"_a, "stream"_a = nb::none(),
         "x (..., D) @ rotation (D, D), each output summed in float64 and rounded once to dtype.");
   m.def("quantize_rows_into", &mlx_h2o::quantize_rows_into, "packed"_a, "scales"_a, "biases"_a, "x"_a, "start"_a,
@@ -96,16 +100,23 @@ NB_MODULE(_ext, m) {
       [](const mx::array& q, const std::vector<SegmentTuple>& segments, float scale, const std::string& mask_mode,
          const std::optional<mx::array>& mask, const std::string& scores, const std::optional<mx::array>& sinks,
          bool composed, const std::optional<mx::array>& q_rotation, const std::optional<mx::array>& out_rotation,
-         mx::StreamOrDevice s) {
+         const std::optional<std::tuple<mx::array, float, float, int>>& score_column, mx::StreamOrDevice s) {
         auto segs = to_segments(segments);
+        std::optional<mlx_h2o::ScoreColumn> column;
+        if (score_column) {
+          const auto& [acc, alpha, beta, held] = *score_column;
+          column = mlx_h2o::ScoreColumn{acc, alpha, beta, held};
+        }
         return composed ? mlx_h2o::attention_with_scores_composed(q, segs, scale, mask_mode, mask, scores, sinks,
-                                                                  q_rotation, out_rotation, s)
+                                                                  q_rotation, out_rotation, column, s)
                         : mlx_h2o::attention_with_scores(q, segs, scale, mask_mode, mask, scores, sinks, q_rotation,
-                                                         out_rotation, s);
+                                                         out_rotation, column, s);
       },
       "q"_a, "segments"_a, "scale"_a, "mask_mode"_a, "mask"_a.none(), "scores"_a, "sinks"_a.none(), "composed"_a,
-      "q_rotation"_a.none() = nb::none(), "out_rotation"_a.none() = nb::none(), "stream"_a = nb::none(), "Fused attention over K/V segments (Python API: mlx_h2o.attention_with_scores and the\n"
-      "single-segment mlx_h2o.scaled_dot_product_attention_with_scores / quantized_... built on it).");
+      "q_rotation"_a.none() = nb::none(), "out_rotation"_a.none() = nb::none(), "score_column"_a.none() = nb::none(),
+      "stream"_a = nb::none(), "Fused attention over K/V segments (Python API: mlx_h2o.attention_with_scores and the\n"
+      "single-segment mlx_h2o.scaled_dot_product_attention_with_scores / quantized_... built on it); with\n"
+      "score_column (acc, alpha, beta, held), also acc with the mass folded in as accumulate_prefix does.");
 
   m.def("quantized_matmul", &mlx_h2o::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "max_rows"_a = -1, "norm_weight"_a.none() = nb::none(), "norm_eps"_a.none() = nb::none(),

@@ -153,3 +153,23 @@ def test_mlx_op_refuses_what_the_extension_refuses():
                 attention_with_scores(q[..., :32], [(k, k)], scale=0.1)
     finally:
         _ops.set_implementation(previous)
+
+
+@needs_fork
+def test_both_implementations_fold_a_score_column():
+    """score_column under MLX's op: its mass folded by accumulate_prefix after it (mx.fast's ops take
+    no column), the same column as the extension's op makes from its own mass."""
+    from mlx_h2o._native import _ext
+
+    previous = _ops.implementation()
+    rng = np.random.default_rng(4)
+    try:
+        with float_queries():
+            for name, q, segments, kwargs, k, v, direct in _cases():
+                acc = mx.array(rng.standard_normal((k.shape[0], k.shape[1], k.shape[2] + 3)).astype(np.float32))
+                for impl in ("ext", "mlx"):
+                    _ops.set_implementation(impl)
+                    out, mass, column = attention_with_scores(q, segments, scale=0.125, score_column=(acc, 0.5, 2.0, 4), **kwargs)
+                    assert mx.array_equal(column, _ext.accumulate_prefix(acc, mass, 0.5, 2.0, 4)).item(), (name, impl)
+    finally:
+        _ops.set_implementation(previous)

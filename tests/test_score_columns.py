@@ -156,3 +156,63 @@ def test_a_column_value_must_cover_the_appended_entries():
     kv = mx.zeros((B, H, 3, D))
     with pytest.raises(ValueError, match="2 values for 3 entries"):
         store.append(kv, kv, None, acc=0.0, pos=range(2))
+
+
+def test_attention_folds_its_mass_into_a_score_column():
+    """attention_with_scores(..., score_column=(acc, alpha, beta, held)): the output and mass as without
+    it (bit for bit), and the column as accumulate_prefix makes it from that mass (and as float64
+    from the reference mass), for dense and packed segments, masks, sinks and rotations; the
+    composed path folds its own mass the same way."""
+    from attention_reference import reference
+
+    from mlx_h2o import PackedKV, attention_with_scores
+
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        B, Hkv, G, L, D = int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(1, 4)), 64
+        n1, n2 = int(rng.integers(1, 40)), int(rng.integers(0, 30))
+        N = n1 + n2
+        q = mx.array(rng.standard_normal((B, Hkv * G, L, D)).astype(np.float32))
+        k, v = (mx.array(rng.standard_normal((B, Hkv, N, D)).astype(np.float16)) for _ in range(2))
+        if trial % 3 == 0 and n2:  # a packed segment after a dense one
+            segments = [(k[:, :, :n1], v[:, :, :n1]),
+                        (PackedKV(*mx.quantize(k[:, :, n1:], group_size=64, bits=8), 8, 64), PackedKV(*mx.quantize(v[:, :, n1:], group_size=64, bits=8), 8, 64))]
+        else:
+            segments = [(k, v)]
+        mask = ["causal", None, mx.array(rng.random((B, 1, L, N)) < 0.8)][trial % 3] if L <= N else None
+        sinks = mx.array(rng.standard_normal(Hkv * G).astype(np.float32)) if trial % 4 == 1 else None
+        rotation = None
+        if trial % 5 == 2:
+            rotation = mx.array(np.linalg.qr(rng.standard_normal((D, D)))[0].astype(np.float32))
+        C, held = N + int(rng.integers(0, 20)), int(rng.integers(0, N + 1))
+        acc = rng.standard_normal((B, Hkv, C)).astype(np.float32)
+        alpha, beta = float(rng.standard_normal()), float(rng.standard_normal())
+        kwargs = dict(scale=D**-0.5, mask=mask, scores="mass", sinks=sinks, q_rotation=rotation, out_rotation=rotation)
+        out, mass = attention_with_scores(q, segments, **kwargs)
+        out2, mass2, column = attention_with_scores(q, segments, **kwargs, score_column=(mx.array(acc), alpha, beta, held))
+        assert mx.array_equal(out, out2) and mx.array_equal(mass, mass2)
+        assert column.shape == (B, Hkv, C) and column.dtype == mx.float32
+        np.testing.assert_array_equal(np.array(column), np.array(_ext.accumulate_prefix(mx.array(acc), mass, alpha, beta, held)))
+        if len(segments) == 1 and rotation is None:  # against the float64 reference's mass
+            _, ref_mass, _ = reference(q, k, v, D**-0.5, mask, sinks)
+            np.testing.assert_allclose(np.array(column), accumulate_reference(acc, ref_mass, alpha, beta, held),
+                                       rtol=1e-4, atol=2e-5 * max(1, L) * (1 + abs(beta)))
+        out3, mass3, column3 = attention_with_scores(q, segments, **kwargs, composed=True, score_column=(mx.array(acc), alpha, beta, held))
+        # (its mass is the definition's: float32 queries where the kernel rounds them to int8 for packed keys)
+        np.testing.assert_array_equal(np.array(column3), np.array(_ext.accumulate_prefix(mx.array(acc), mass3, alpha, beta, held)))
+
+
+def test_attention_score_column_rejects_bad_input():
+    from mlx_h2o import attention_with_scores
+
+    q, k = mx.zeros((1, 4, 1, 64)), mx.zeros((1, 2, 10, 64))
+    with pytest.raises(ValueError, match="takes scores 'mass'"):
+        attention_with_scores(q, [(k, k)], scale=1.0, scores="logits", score_column=(mx.zeros((1, 2, 10)), 1.0, 1.0, 0))
+    with pytest.raises(ValueError, match="float32 \\(B, Hkv, C >= N\\)"):
+        attention_with_scores(q, [(k, k)], scale=1.0, score_column=(mx.zeros((1, 2, 9)), 1.0, 1.0, 0))
+    with pytest.raises(ValueError, match="float32 \\(B, Hkv, C >= N\\)"):
+        attention_with_scores(q, [(k, k)], scale=1.0, score_column=(mx.zeros((1, 3, 10)), 1.0, 1.0, 0))
+    with pytest.raises(ValueError, match="held must be in"):
+        attention_with_scores(q, [(k, k)], scale=1.0, score_column=(mx.zeros((1, 2, 12)), 1.0, 1.0, 13))
+    with pytest.raises(ValueError, match="score_column must be"):
+        attention_with_scores(q, [(k, k)], scale=1.0, score_column=(mx.zeros((1, 2, 12)), 1.0))

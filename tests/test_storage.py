@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mlx_h2o import PackedKV, attention_with_scores
-from mlx_h2o.storage import CenteredKeysKV, KVStore, kv, RotatedKV, SinkRowsKV, TieredKV, gather_rows, make_kv_storage
+from mlx_h2o._native import _ext
+from mlx_h2o.storage import CenteredKeysKV, KVStore, kv, RotatedKV, SinkRowsKV, TieredKV, make_kv_storage, take_rows
 
 B, H, D = 2, 3, 64
 GROUP = 32
@@ -277,11 +278,57 @@ def test_rotated_storage_attends_like_the_plain_rows(lam):
     assert mx.array_equal(loaded.restore_output(out2, q.dtype), got)
 
 
-def test_gather_rows_matches_take_along_axis():
+def take_rows_reference(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Rows idx of a per (batch, head); an index outside [0, C) gives zeros."""
+    valid = (idx >= 0) & (idx < a.shape[2])
+    expanded = (*idx.shape, *(1,) * (a.ndim - 3))
+    rows = np.take_along_axis(a, np.where(valid, idx, 0).reshape(expanded), axis=2)
+    return np.where(valid.reshape(expanded), rows, 0)
+
+
+def test_take_rows_matches_numpy_on_random_shapes_and_dtypes():
     rng = np.random.default_rng(9)
-    a = mx.array(rng.standard_normal((B, H, 20, 5)).astype(np.float32))
-    idx = mx.array(rng.integers(0, 20, (B, H, 11)).astype(np.int32))
-    np.testing.assert_array_equal(np.array(gather_rows(a, idx)), np.take_along_axis(np.array(a), np.array(idx)[..., None], axis=2))
+    dtypes = [np.float32, np.float16, np.uint32, np.int32, np.uint8]
+    for trial in range(200):
+        Bt, Ht, K = (int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(0, 40)))
+        arrays = []
+        for _ in range(int(rng.integers(1, 5))):  # each its own capacity, dtype and trailing shape
+            C, dtype = int(rng.integers(1, 30)), dtypes[int(rng.integers(len(dtypes)))]
+            shape = (Bt, Ht, C, *(int(d) for d in rng.integers(1, 6, size=int(rng.integers(0, 3)))))
+            x = rng.standard_normal(shape) * 100 if np.dtype(dtype).kind == "f" else rng.integers(0, 200, shape)
+            arrays.append(x.astype(dtype))
+        C_min = min(a.shape[2] for a in arrays)
+        idx = rng.integers(0 if trial % 2 else -3, C_min if trial % 2 else C_min + 3, (Bt, Ht, K))
+        idx_dtype = np.uint32 if trial % 4 == 1 else np.int32
+        inputs = [mx.array(a) for a in arrays]
+        if trial % 5 == 0:  # a transposed view: read as it is
+            inputs[0] = mx.array(np.ascontiguousarray(np.swapaxes(arrays[0], 0, 2))).swapaxes(0, 2)
+        got = take_rows(inputs, mx.array(idx.astype(idx_dtype)))
+        assert len(got) == len(arrays)
+        for a, g in zip(arrays, got):
+            assert g.dtype == mx.array(a).dtype
+            np.testing.assert_array_equal(np.array(g), take_rows_reference(a, idx.astype(idx_dtype).astype(np.int64)))
+    # the definition the primitive takes its derivatives from: the same rows
+    a, idx = mx.array(rng.standard_normal((2, 3, 7, 4)).astype(np.float32)), mx.array(rng.integers(-1, 8, (2, 3, 5)).astype(np.int32))
+    weights = mx.array(rng.standard_normal((2, 3, 5, 4)).astype(np.float32))
+    grad = mx.grad(lambda x: (_ext.take_rows([x], idx)[0] * weights).sum())(a)
+    expected = np.zeros((2, 3, 7, 4), np.float32)
+    for b, h, k in np.ndindex(2, 3, 5):
+        r = int(np.array(idx)[b, h, k])
+        if 0 <= r < 7:
+            expected[b, h, r] += np.array(weights)[b, h, k]
+    np.testing.assert_allclose(np.array(grad), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "shapes, idx_shape, idx_dtype, match",
+    [([], (1, 2, 3), mx.int32, "at least one array"), ([(1, 2, 5, 4)], (1, 2), mx.int32, "idx must be"),
+     ([(1, 2, 5, 4)], (1, 2, 3), mx.float32, "idx must be"), ([(1, 3, 5, 4)], (1, 2, 3), mx.int32, "idx's \\(B, H\\)"),
+     ([(1, 2)], (1, 2, 3), mx.int32, "idx's \\(B, H\\)")],
+)
+def test_take_rows_rejects_bad_input(shapes, idx_shape, idx_dtype, match):
+    with pytest.raises(ValueError, match=match):
+        _ext.take_rows([mx.zeros(s) for s in shapes], mx.zeros(idx_shape, idx_dtype))
 
 
 def test_centred_keys_attend_like_the_plain_rows():

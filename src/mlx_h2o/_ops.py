@@ -131,12 +131,13 @@ def _length(arrays) -> int:
     return arrays[0].shape[2] if arrays and arrays[0].ndim == 4 else 1
 
 
-def attention_with_scores(q, segments, scale, mask_mode, mask, scores, sinks, composed, stream, q_rotation=None, out_rotation=None):
+def attention_with_scores(q, segments, scale, mask_mode, mask, scores, sinks, composed, stream, q_rotation=None, out_rotation=None,
+                          score_column=None):
     """The extension's segment op (`_ext.attention_with_scores`, same arguments and result), run by the
     implementation in use."""
     if composed or implementation() == "ext":
         return _ext.attention_with_scores(q, segments, scale, mask_mode, mask, scores, sinks, composed,
-                                          q_rotation=q_rotation, out_rotation=out_rotation, stream=stream)
+                                          q_rotation=q_rotation, out_rotation=out_rotation, score_column=score_column, stream=stream)
     # mx.fast's ops take no rotations: the extension's rotate_rows around them, the same sums
     dtype = q.dtype
     if q_rotation is not None:
@@ -146,4 +147,7 @@ def attention_with_scores(q, segments, scale, mask_mode, mask, scores, sinks, co
         res[0] = _ext.rotate_rows(res[0], out_rotation, dtype, stream=stream)
     elif res[0].dtype != dtype:
         res[0] = res[0].astype(dtype, stream=stream)
+    if score_column is not None:  # mx.fast's ops fold no column: the extension's op for it
+        acc, alpha, beta, held = score_column
+        res.append(_ext.accumulate_prefix(acc, res[1], alpha, beta, held, stream=stream))
     return res

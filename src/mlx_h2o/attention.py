@@ -34,15 +34,26 @@ def _native_args(mask, scores, sinks):
     return mode, array, scores or "", sinks
 
 
-def _attend(q, native_segments, scale, mask, scores, sinks, composed, stream, rotations=(None, None)):
+def _attend(q, native_segments, scale, mask, scores, sinks, composed, stream, rotations=(None, None), score_column=None):
     """The one call into the segment op (the extension's or MLX's: _ops); every public function ends in it."""
     mode, array, score_mode, sinks = _native_args(mask, scores, sinks)
     for r, name in zip(rotations, ("q_rotation", "out_rotation")):
         if r is not None and not isinstance(r, mx.array):
             raise ValueError(f"{name} must be None or a float32 (D, D) mx.array, got {type(r).__name__}")
+    if score_column is not None:
+        score_column = _check_score_column(score_column)
     res = _ops.attention_with_scores(q, native_segments, _check_scale(scale), mode, array, score_mode, sinks, composed, stream,
-                                     *rotations)
+                                     *rotations, score_column)
+    if score_column is not None:
+        return res[0], res[1], res[2]
     return res[0], (res[1] if len(res) > 1 else None)
+
+
+def _check_score_column(column) -> tuple:
+    if not isinstance(column, (tuple, list)) or len(column) != 4 or not isinstance(column[0], mx.array):
+        raise ValueError("score_column must be (acc, alpha, beta, held): a float32 (B, Hkv, C) mx.array, two numbers and an int")
+    acc, alpha, beta, held = column
+    return acc, float(alpha), float(beta), _check_int(held, "held")
 
 
 def _check_int(value, name) -> int:
@@ -167,14 +178,17 @@ def quantized_scaled_dot_product_attention_with_scores(
 
 
 def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="mass", sinks=None, composed=False,
-                          q_rotation=None, out_rotation=None, stream=None):
+                          q_rotation=None, out_rotation=None, score_column=None, stream=None):
     """Attention over several K/V segments taken in order, each an mx.array, a `PackedKV` or `DenseRows` (e.g.
     8-bit heavy hitters + a 4-bit recent window, or packed storage + a full-precision residual
     window), without concatenating them. Scores cover the concatenated positions.
     composed=True runs the stock-MLX-ops definition instead of the fused kernel.
     K/V stored rotated (storage/rotation.py): q_rotation, float32 (Dk, Dk), attends with
     q @ q_rotation in float32, and out_rotation, float32 (Dv, Dv), returns the output times it, in
-    q's dtype; both as `rotate_rows` computes them, inside the op (no primitive of their own)."""
+    q's dtype; both as `rotate_rows` computes them, inside the op (no primitive of their own).
+    score_column=(acc, alpha, beta, held), with scores="mass": a running per-key statistic, acc
+    (B, Hkv, C >= N) float32, folded with the mass as `_ext.accumulate_prefix(acc, mass, alpha, beta,
+    held)` does, an output of the same primitive: returns (out, scores, the new column)."""
     # (list and tuple first: the Sequence ABC's check took ~2 % of an h2o decode step's graph building)
     if not isinstance(segments, (list, tuple)) and (isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence)):
         raise ValueError("segments must be a sequence of (k, v) pairs")
@@ -183,7 +197,7 @@ def attention_with_scores(q, segments: Sequence, *, scale, mask=None, scores="ma
         if not isinstance(seg, (tuple, list)) or len(seg) != 2:
             raise ValueError(f"segments[{i}] must be a (k, v) pair")
         native.append((*_segment_source(seg[0], i, 0), *_segment_source(seg[1], i, 1)))
-    return _attend(q, native, scale, mask, scores, sinks, bool(composed), stream, (q_rotation, out_rotation))
+    return _attend(q, native, scale, mask, scores, sinks, bool(composed), stream, (q_rotation, out_rotation), score_column)
 
 
 def attention_with_scores_composed(q, k, v, *, scale, mask=None, scores="mass", sinks=None, stream=None):

@@ -267,6 +267,34 @@ def test_decoding_below_the_budget_does_not_accumulate_score_updates():
     assert used[-1] - used[20] < 16_000, f"{(used[-1] - used[20]) / 140:.0f} bytes more per step"
 
 
+@pytest.mark.parametrize("options", [dict(), dict(kv_bits=4, rotate=True, score="ema"), dict(evicted_bits=2, score="cumulative")])
+def test_a_decode_step_folds_its_scores_in_the_attention_op(options, monkeypatch):
+    """A decode row's score update is an output of its attention primitive (Lane.attend, the op's
+    score_column): no AccumulatePrefix in the step's graph where the lane has no archive, and the same
+    logits and score columns, bit for bit, as the update by its own op (ColumnedKV.accumulate)."""
+    from mlx_h2o.caches.h2o.scoring import ScoreRule
+    from mlx_h2o.evaluation.speed import graph_primitives
+
+    model = tiny_model("llama", head_dim=32)
+    x = tokens(40, seed=7)[None]
+    runs = {}
+    for fold in (True, False):
+        monkeypatch.setattr(ScoreRule, "folds_mass", property(lambda self, fold=fold: fold and type(self).stats is ScoreRule.stats))
+        cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, evict_every=4, **options)
+        logits, y = [], mx.argmax(model(x, cache=cache)[:, -1:], axis=-1)
+        mx.eval(y)
+        for step in range(40):  # evicting every 4 tokens
+            out = model(y, cache=cache)[:, -1:]
+            if step == 0:
+                counts = graph_primitives(out)
+                assert (counts["AccumulatePrefix"] == 0) == (fold and "evicted_bits" not in options), counts
+            y = mx.argmax(out, axis=-1)
+            logits.append(np.array(out))
+        runs[fold] = logits, [np.array(lane.store.column("acc")) for c in _h2o_layers(cache) for lane in c.lanes]
+    for a, b in zip(runs[True][0] + runs[True][1], runs[False][0] + runs[False][1]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_cache_copied_step_after_step_attends_within_the_segment_limit():
     """Copies share rows in pieces (storage/kv.py): two tiers and an archive, copied at every step,
     would hand the fused op more segments than it takes; the lane joins them, and the copy attends

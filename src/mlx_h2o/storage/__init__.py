@@ -15,7 +15,7 @@ from .kv import (KV_DTYPE_HELP, KV_DTYPES, KVStorage, KVStore, SinkRowsKV, Tiere
                  model_dtype, role_bits, stored_as)
 from .reserved import ReservedBuffer, check_capacity
 from .rotation import DEFAULT_LAMBDA, LAMBDA_MODES, CenteredKeysKV, KVRotation, RotatedKV
-from .rows import GROW_STEP, RowStore, check_group_size, flat_rows, gather_rows, grown_capacity, pad_indices
+from .rows import GROW_STEP, RowStore, check_group_size, flat_rows, grown_capacity, pad_indices, take_rows
 from .wrapper import KVWrapper
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
     "check_capacity",
     "check_group_size",
     "flat_rows",
-    "gather_rows",
+    "take_rows",
     "grown_capacity",
     "make_kv_storage",
     "pad_indices",

@@ -29,7 +29,7 @@ import numpy as np
 from .._native import _ext
 from .kv import KVStorage, tail_capacity
 from .wrapper import KVWrapper
-from .rows import capacity_for, flat_rows, gather_rows, grow_rows, pad_indices
+from .rows import capacity_for, flat_rows, grow_rows, pad_indices, take_rows
 
 # What an append gives a column for its L new entries: one number for all, a range of L positions,
 # or an array (L,) or (B, H, L).
@@ -105,17 +105,28 @@ class ColumnedKV(KVWrapper):
         float32), in one op that reads entries appended with the value 0 and not yet written as 0.
         `along`: an array passed through the op and returned, whose evaluation then brings the
         column's (an attention output carrying its score update: no Depends primitive per call)."""
-        waiting, length = self._waiting[name], self.length
-        if waiting and (x.shape[-1] != length or any(not (isinstance(v, (int, float)) and v == 0) for _, v in waiting)):
-            self._write(name)
-        held = self._written(name, length)
-        args = (self.columns[name], x if x.dtype == mx.float32 else x.astype(mx.float32), float(alpha), float(beta), held)
-        self._waiting[name] = []  # the op writes the waiting zeros (or they were written above)
+        column, held = self.folding(name, x.shape[-1])
+        args = (column, x if x.dtype == mx.float32 else x.astype(mx.float32), float(alpha), float(beta), held)
         if along is None:
             self.columns[name] = _ext.accumulate_prefix(*args)
             return None
         self.columns[name], along = _ext.accumulate_prefix_along(*args, along)
         return along
+
+    def folding(self, name: str, n: int) -> Tuple[mx.array, int]:
+        """(buffer, held) of column `name` for an op that folds statistics of its first n entries into
+        it (accumulate_prefix, or the attention op's score column): entries at or past `held` read as
+        0, the waiting zeros the op then writes. The caller sets the op's result (`folded`)."""
+        waiting, length = self._waiting[name], self.length
+        if waiting and (n != length or any(not (isinstance(v, (int, float)) and v == 0) for _, v in waiting)):
+            self._write(name)
+        held = self._written(name, length)
+        self._waiting[name] = []  # the op writes the waiting zeros (or they were written above)
+        return self.columns[name], held
+
+    def folded(self, name: str, column: mx.array) -> None:
+        """Column `name` is `column`, the result of an op `folding` prepared."""
+        self.columns[name] = column
 
     def write_column_at(self, name: str, idx: mx.array, values: mx.array) -> None:
         """Overwrite column `name` at entries idx (B, H, n) with `values` (B, H, n)."""
@@ -153,7 +164,7 @@ class ColumnedKV(KVWrapper):
         if self.masks_shared and self._gather_after_shared(idx, keep, capacity):
             return
         padded = pad_indices(idx, capacity)
-        self.columns = {k: gather_rows(a, padded) for k, a in self.written_columns().items()}
+        self.columns = _taken(self.written_columns(), padded)
         self.inner.gather(idx, keep, protected_tail, capacity)
         self._all_written()
         self.dead, self.dead_count = None, 0
@@ -181,7 +192,7 @@ class ColumnedKV(KVWrapper):
         prefix_kept[flat_rows(mx.where(in_prefix, idx, S), S + 1)] = True
         own_capacity = tail_capacity(T, capacity or None, S)
         rows = mx.concatenate([mx.broadcast_to(mx.arange(S, dtype=idx.dtype), (B, H, S)), S + pad_indices(after, own_capacity)], axis=-1)
-        self.columns = {k: gather_rows(a, rows) for k, a in self.written_columns().items()}
+        self.columns = _taken(self.written_columns(), rows)
         self.inner.gather_own(after, T, own_capacity)
         self._all_written()
         self.dead = mx.concatenate([~prefix_kept.reshape(B, H, S + 1)[..., :S], ~real], axis=-1)
@@ -239,6 +250,11 @@ def _wait(waiting: List[Tuple[int, ColumnValues]], L: int, v: ColumnValues) -> N
             waiting[-1] = (n + L, v)
             return
     waiting.append((L, v))
+
+
+def _taken(columns: Dict[str, mx.array], idx: mx.array) -> Dict[str, mx.array]:
+    """The columns' entries idx (B, H, k), every column in one primitive (take_rows)."""
+    return dict(zip(columns, take_rows(list(columns.values()), idx)))
 
 
 def _count(v: ColumnValues) -> Optional[int]:

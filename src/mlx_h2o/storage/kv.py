@@ -15,7 +15,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .._ops import MAX_SEGMENTS
-from .rows import RowStore, capacity_for, flat_rows, pad_indices
+from .rows import RowStore, capacity_for, pad_indices, take_rows
 
 # (q_rotation, out_rotation): float32 (D, D) matrices the attention op multiplies queries and output by
 # (KVStorage.rotations).
@@ -271,10 +271,9 @@ class KVStore(KVStorage):
 
     def gather_own(self, idx: mx.array, keep: int, capacity: int) -> None:
         if self.k.arrays is not None:  # (no rows of its own after a shared prefix: nothing to keep)
-            idx = pad_indices(idx, capacity)
-            flat = flat_rows(idx, self.k.capacity) if self.k.capacity == self.v.capacity else None  # K's and V's
-            self.k.gather(idx, flat)
-            self.v.gather(idx, flat)
+            rows = take_rows(self.k.arrays + self.v.arrays, pad_indices(idx, capacity))  # K's and V's buffers in one primitive
+            n = len(self.k.arrays)
+            self.k.arrays, self.v.arrays = tuple(rows[:n]), tuple(rows[n:])
         self._length = keep
 
     def drop_front(self, n: int) -> None:

@@ -17,7 +17,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ...options import Choice, Float, option
-from ...storage import gather_rows, pad_indices
+from ...storage import pad_indices, take_rows
 from .eviction import select_entries
 from .lane import Lane
 from .scorer import unit_centred
@@ -123,13 +123,13 @@ class Keeper:
         n = store.length
         dropped = mx.argsort(_kept_mask(n, kept_idx).astype(mx.int32), axis=-1)[..., : n - keep]  # not kept sort first
         keys, values = store.read_rows()
-        acc, pos = gather_rows(store.column("acc"), dropped), gather_rows(store.column("pos"), dropped)
+        acc, pos = take_rows([store.column("acc"), store.column("pos")], dropped)
         dtype = getattr(mx, lane.row_dtype)
         A = lane.archive_size
         # Room for its size and one eviction's rows, stated: growing in GROW_STEP rows would reserve
         # more than a byte budget counts (bytes.py).
-        archive.append(gather_rows(keys, dropped).astype(dtype), gather_rows(values, dropped).astype(dtype),
-                       A + n - keep, acc=acc, pos=pos)
+        keys, values = take_rows([keys, values], dropped)
+        archive.append(keys.astype(dtype), values.astype(dtype), A + n - keep, acc=acc, pos=pos)
         # Written now, not when next read: the gathered scores and positions would wait beside the
         # column buffers the byte budget counts, one eviction's more at each, until the archive fills.
         archive.written_columns()
@@ -176,4 +176,4 @@ def merge_evicted(keys, values, kept, n_kept: int, mult, acc, threshold: float):
     new_acc = acc + (into @ acc[..., None])[..., 0]
     evicted = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : N - n_kept]  # the evicted entries (kept sort last)
     target = mx.take_along_axis(best, evicted, axis=-1)
-    return target, *(gather_rows(a, target) for a in (new_k, new_v, total, new_acc))
+    return target, *take_rows([new_k, new_v, total, new_acc], target)

@@ -112,17 +112,27 @@ class Lane:
         segments = self.segments(own)
 
         q_rotation, out_rotation = rotations or (None, None)
+        heads = kv_heads if self.heads is None else 1
+        if not T and q.shape[2] == 1 and scorer.rule.folds_mass and (own is None or not isinstance(own[0], mx.array) or own[0].shape[1] == heads):
+            # A decode row over the lane's own rows: its stats are the op's mass, which the op folds
+            # into the score column itself (an output of the attention primitive: no primitive of its own).
+            alpha, beta = scorer.rule.coefficients(1, store.live_length)
+            column, held = store.folding("acc", store.length)
+            out, raw, column = attention_with_scores(q, segments, scale=scale, mask=mask, scores="mass", sinks=sinks, q_rotation=q_rotation,
+                                                     out_rotation=out_rotation, score_column=(column, alpha, beta, held))
+            store.folded("acc", column)
+            out = out if rotations else store.restore_output(out, queries.dtype)
+        else:
+            def op(q, mask, scores):
+                return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks,
+                                             q_rotation=q_rotation, out_rotation=out_rotation)
 
-        def op(q, mask, scores):
-            return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks,
-                                         q_rotation=q_rotation, out_rotation=out_rotation)
-
-        out, raw, stats, rows, live = scorer.observe(op, q, mask, kv_heads if self.heads is None else 1, T + store.live_length)
-        alpha, beta = scorer.rule.coefficients(rows, live)
-        if T:
-            self.archive.accumulate("acc", stats[..., :T], alpha, beta)
-        out = out if rotations else store.restore_output(out, queries.dtype)
-        out = store.accumulate("acc", stats[..., T:] if T else stats, alpha, beta, along=out)
+            out, raw, stats, rows, live = scorer.observe(op, q, mask, heads, T + store.live_length)
+            alpha, beta = scorer.rule.coefficients(rows, live)
+            if T:
+                self.archive.accumulate("acc", stats[..., :T], alpha, beta)
+            out = out if rotations else store.restore_output(out, queries.dtype)
+            out = store.accumulate("acc", stats[..., T:] if T else stats, alpha, beta, along=out)
         others = self.updates()
         return (mx.depends(out, others) if others else out), raw
 

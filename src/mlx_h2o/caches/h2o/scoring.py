@@ -47,6 +47,12 @@ class ScoreRule:
         the accumulator becomes alpha * acc + beta * stats."""
         raise NotImplementedError
 
+    @property
+    def folds_mass(self) -> bool:
+        """Whether a one-row call's stats are the op's mass itself (this class's `stats`), so the
+        attention op can fold them into the accumulator (its score column) with the same bits."""
+        return self.op_scores == "mass" and type(self).stats is ScoreRule.stats
+
     def priority(self, acc: mx.array, positions: mx.array, offset: int) -> mx.array:
         return acc
 
