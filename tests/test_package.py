@@ -42,6 +42,19 @@ def test_blas_backend_reports_late_import():
     assert "imported before use_openblas" in out or not sys.platform.startswith("linux")
 
 
+def test_opting_in_to_openblas_puts_its_idle_threads_to_sleep():
+    """use_openblas() sets OPENBLAS_THREAD_TIMEOUT for the OpenBLAS it loads (where not set: a user's
+    own value stays), and nothing when MLX came first (no OpenBLAS of ours loads then)."""
+    code = "import os, mlx_h2o; mlx_h2o.use_openblas(); print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "MLX_H2O_BLAS")}
+    run = lambda code, **extra: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                               env={**env, **extra}).stdout.strip()
+    if sys.platform.startswith("linux"):
+        assert run(code) == "4"
+        assert run(code, OPENBLAS_THREAD_TIMEOUT="8") == "8"
+    assert run("import mlx.core\n" + code) == "None"
+
+
 # Importing mlx_h2o and every module of it, first or after MLX, must leave MLX and mlx-lm as they
 # were: the same layer methods, mlx-lm's attention function, no BLAS shim in the process, and the C
 # allocator's own mmap threshold.

@@ -6,6 +6,12 @@ them to NumPy's OpenBLAS. It changes MLX for the whole process, so it is opt-in:
 before anything imports mlx.core (importing mlx_h2o does not), or MLX_H2O_BLAS=openblas in the
 environment. The `mlx-h2o` command opts in and says so. The fork's MLX wheel (scripts/series.py
 build mlx) links OpenBLAS itself and needs no shim. This module must not import MLX.
+
+OpenBLAS's threads spin after each call before they sleep. Decode runs no GEMM, so after a prefill
+they spun beside the decode kernels' two threads on a 2-core machine: the steps then were the slowest
+of a decode (p99 / p50 of the step time 1.39-1.55 against 1.17-1.20 with them asleep at once,
+docs/cpu-decode.md). Opting in also sets OPENBLAS_THREAD_TIMEOUT (where it is not set already),
+which the OpenBLAS loaded next reads: its threads sleep after 2^4 cycles of waiting.
 """
 
 import ctypes
@@ -36,6 +42,10 @@ def use_openblas() -> str:
     return backend
 
 
+# OpenBLAS's spin before a thread sleeps, as 2^N cycles (its smallest): module docstring.
+OPENBLAS_THREAD_TIMEOUT = "4"
+
+
 def _install() -> str:
     if not sys.platform.startswith("linux"):
         return "platform default"
@@ -43,6 +53,8 @@ def _install() -> str:
         return "MLX's own BLAS (MLX_H2O_BLAS=reference)"
     if "mlx.core" in sys.modules:
         return "MLX's own BLAS (mlx.core was imported before use_openblas())"
+    # Before any OpenBLAS of this process loads (NumPy's through the shim, or the one the fork's MLX links).
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_THREAD_TIMEOUT)
     openblas = _numpy_openblas()
     shim = os.path.join(os.path.dirname(__file__), "libmlx_h2o_blas.so")
     if openblas is None or not os.path.exists(shim):
