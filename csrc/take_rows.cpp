@@ -62,9 +62,9 @@ void TakeRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::ar
   std::vector<Buffer> buffers;
   for (size_t i = 0; i + 1 < in.size(); ++i) {
     const auto& a = in[i];
-    const int64_t C = a.shape(2);
-    const int64_t row_bytes = C == 0 || BH == 0 ? 0 : static_cast<int64_t>(a.nbytes()) / (BH * C);
-    buffers.push_back({a.data<char>(), outputs[i].data<char>(), C, row_bytes});
+    int64_t row_bytes = a.itemsize();  // the trailing axes' (an empty buffer's rows have a size too)
+    for (int d = 3; d < static_cast<int>(a.ndim()); ++d) row_bytes *= a.shape(d);
+    buffers.push_back({a.data<char>(), outputs[i].data<char>(), a.shape(2), row_bytes});
   }
   // (uint32 indices, as argpartition gives them, read as int64: never negative)
   enc.dispatch([buffers = std::move(buffers), ix = idx.data<char>(), is_signed = idx.dtype() == mx::int32, BH, K]() {

@@ -282,6 +282,8 @@ def take_rows_reference(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """Rows idx of a per (batch, head); an index outside [0, C) gives zeros."""
     valid = (idx >= 0) & (idx < a.shape[2])
     expanded = (*idx.shape, *(1,) * (a.ndim - 3))
+    if a.shape[2] == 0:
+        return np.zeros((*idx.shape, *a.shape[3:]), a.dtype)
     rows = np.take_along_axis(a, np.where(valid, idx, 0).reshape(expanded), axis=2)
     return np.where(valid.reshape(expanded), rows, 0)
 
@@ -293,12 +295,12 @@ def test_take_rows_matches_numpy_on_random_shapes_and_dtypes():
         Bt, Ht, K = (int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(0, 40)))
         arrays = []
         for _ in range(int(rng.integers(1, 5))):  # each its own capacity, dtype and trailing shape
-            C, dtype = int(rng.integers(1, 30)), dtypes[int(rng.integers(len(dtypes)))]
+            C, dtype = int(rng.integers(0 if trial % 7 == 3 else 1, 30)), dtypes[int(rng.integers(len(dtypes)))]  # (C = 0: all zeros)
             shape = (Bt, Ht, C, *(int(d) for d in rng.integers(1, 6, size=int(rng.integers(0, 3)))))
             x = rng.standard_normal(shape) * 100 if np.dtype(dtype).kind == "f" else rng.integers(0, 200, shape)
             arrays.append(x.astype(dtype))
         C_min = min(a.shape[2] for a in arrays)
-        idx = rng.integers(0 if trial % 2 else -3, C_min if trial % 2 else C_min + 3, (Bt, Ht, K))
+        idx = rng.integers(0 if trial % 2 and C_min else -3, C_min if trial % 2 and C_min else C_min + 3, (Bt, Ht, K))
         idx_dtype = np.uint32 if trial % 4 == 1 else np.int32
         inputs = [mx.array(a) for a in arrays]
         if trial % 5 == 0:  # a transposed view: read as it is

@@ -113,7 +113,8 @@ class Lane:
 
         q_rotation, out_rotation = rotations or (None, None)
         heads = kv_heads if self.heads is None else 1
-        if not T and q.shape[2] == 1 and scorer.rule.folds_mass and (own is None or not isinstance(own[0], mx.array) or own[0].shape[1] == heads):
+        own_heads = own is None or not isinstance(own[0], mx.array) or own[0].shape[1] == heads  # (MLA attends other heads)
+        if not T and q.shape[2] == 1 and scorer.rule.folds_mass and own_heads:
             # A decode row over the lane's own rows: its stats are the op's mass, which the op folds
             # into the score column itself (an output of the attention primitive: no primitive of its own).
             alpha, beta = scorer.rule.coefficients(1, store.live_length)
