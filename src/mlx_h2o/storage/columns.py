@@ -141,7 +141,7 @@ class ColumnedKV(KVWrapper):
             raise ValueError(f"append needs the columns {sorted(self.dtypes)}, got {sorted(columns)}")
         B, H, L = keys.shape[:3]
         for name, v in columns.items():
-            if _count(v) not in (None, L):
+            if not isinstance(v, (int, float)) and _count(v) != L:
                 raise ValueError(f"column {name!r} got {_count(v)} values for {L} entries")
         n = self.length
         if self.columns is None:

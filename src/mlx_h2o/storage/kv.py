@@ -242,7 +242,7 @@ class KVStore(KVStorage):
 
     @property
     def length(self) -> int:
-        return self.shared_length + self._length
+        return self._shared_rows + self._length
 
     @property
     def capacity(self) -> int:

@@ -107,7 +107,7 @@ class RowStore:
     # -- buffer ---------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return 0 if self.arrays is None else self.arrays[0].shape[2]
+        return 0 if self._arrays is None else self._arrays[0].shape[2]
 
     def reserve(self, like: Tuple[mx.array, ...], length: int, capacity: int) -> None:
         """Make room for `capacity` rows, keeping the first `length`; `like` gives shapes and dtypes."""
@@ -120,7 +120,7 @@ class RowStore:
         """Encoded rows (as `encode` returns them) at [start, start + n)."""
         where = (slice(None), slice(None), slice(start, start + rows[0].shape[2]))
         self._view = None  # (the assignments below replace what the arrays hold)
-        for a, r in zip(self.arrays, rows):
+        for a, r in zip(self._arrays, rows):
             a[where] = r
 
     def put(self, start: int, x: mx.array, rotation: Optional[mx.array] = None, center: Optional[mx.array] = None) -> None:
@@ -131,7 +131,7 @@ class RowStore:
         place); as stock ops it was up to 10 (the centre's cast, subtraction and cast back, the
         matmul's flatten, matmul and unflatten, the quantize, a slice_update per array) for a decode
         step's one row."""
-        if self.bits in FUSED_WRITE_BITS and x.dtype == self.arrays[1].dtype:
+        if self.bits in FUSED_WRITE_BITS and x.dtype == self._arrays[1].dtype:
             self.arrays = tuple(_ext.quantize_rows_into(*self.arrays, x, start, rotation, self.bits, self.group_size, center))
             return
         if center is not None:
@@ -170,16 +170,16 @@ class RowStore:
         when a compaction or a demotion comes."""
         if self._view is None or self._view[0] != n:
             if self.bits is None:
-                view = self.arrays[0][:, :, :n]
+                view = self._arrays[0][:, :, :n]
             else:
-                view = PackedKV(*self.arrays, self.bits, self.group_size, n)
+                view = PackedKV(*self._arrays, self.bits, self.group_size, n)
             self._view = (n, view)
         return self._view[1]
 
     def in_place(self, n: int):
         """The first n rows as attention reads them without a slice: DenseRows of a dense buffer, the
         packed view of packed ones."""
-        return self.view(n) if self.bits is not None else DenseRows(self.arrays[0], n)
+        return self.view(n) if self.bits is not None else DenseRows(self._arrays[0], n)
 
     def nbytes(self, n: int) -> int:
         return 0 if self.arrays is None else sum(a[:, :, :n].nbytes for a in self.arrays)

@@ -183,7 +183,8 @@ class H2OKVCache(SharesGroup, AttendingCache):
     def _append(self, keys: mx.array, values: mx.array):
         """Evict if the call would take the cache past M, append the rows, return what attention reads."""
         L = keys.shape[2]
-        self._allocate_budgets(L)
+        if self.budget_group is not None:
+            self._allocate_budgets(L)
         keep = self.budget.keep_count(self.length, self.offset, L, self.evict_phase)
         if keep is not None:
             self._evict(keep, L)
