@@ -95,11 +95,11 @@ void TakeRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) 
 
 std::vector<mx::array> TakeRows::composed(const std::vector<mx::array>& inputs) {
   const auto& idx = inputs.back();
+  const auto signed_idx = mx::astype(idx, mx::int64, stream());
   std::vector<mx::array> out;
   for (size_t i = 0; i + 1 < inputs.size(); ++i) {
     const auto& a = inputs[i];
     const int C = a.shape(2);
-    auto signed_idx = mx::astype(idx, mx::int64, stream());
     auto valid = mx::logical_and(mx::greater_equal(signed_idx, mx::array(0), stream()),
                                  mx::less(signed_idx, mx::array(C), stream()), stream());
     auto safe = mx::where(valid, signed_idx, mx::array(0, mx::int64), stream());

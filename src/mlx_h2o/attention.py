@@ -104,14 +104,12 @@ def _segment_source(x, i: int, role: int):
     """(arrays, bits, group_size, rows) of one K or V, as the extension's op takes it (rows -1: all):
     segments[i][role], role 0 for K and 1 for V (the name formatted only for an error: an h2o
     decode step makes this call twice per layer)."""
-    if type(x) is DenseRows and type(x.rows) is int and x.rows >= 0:  # (a cache's dense rows: every decode step)
-        return [x.buffer], 0, 0, x.rows
+    if isinstance(x, DenseRows):  # (first: a cache's dense rows, at every decode step)
+        return [x.buffer], 0, 0, _check_int(x.rows, "rows")
     if isinstance(x, mx.array):
         return [x], 0, 0, -1
     if isinstance(x, PackedKV):
         return [x.packed, x.scales, x.biases], x.bits, x.group_size, -1 if x.rows is None else _check_int(x.rows, "rows")
-    if isinstance(x, DenseRows):
-        return [x.buffer], 0, 0, _check_int(x.rows, "rows")
     raise ValueError(f"segments[{i}][{role}] must be an mx.array, a PackedKV or DenseRows, got {type(x).__name__}")
 
 

@@ -152,11 +152,6 @@ class RowStore:
             out.append(f.reshape(a.shape))
         self.arrays = tuple(out)
 
-    def gather(self, idx: mx.array) -> None:
-        """Keep rows idx (B, H, k), in that order (k may exceed the rows kept: padding indices make
-        spare capacity)."""
-        self.arrays = tuple(take_rows(self.arrays, idx))
-
     def drop_front(self, n: int, length: int) -> None:
         """Forget rows [0, n) of the first `length`, keeping exactly the rest (no spare room)."""
         self.arrays = tuple(a[:, :, n:length] for a in self.arrays)

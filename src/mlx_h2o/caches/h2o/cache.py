@@ -183,8 +183,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
     def _append(self, keys: mx.array, values: mx.array):
         """Evict if the call would take the cache past M, append the rows, return what attention reads."""
         L = keys.shape[2]
-        if self.budget_group is not None:
-            self._allocate_budgets(L)
+        self._allocate_budgets(L)
         keep = self.budget.keep_count(self.length, self.offset, L, self.evict_phase)
         if keep is not None:
             self._evict(keep, L)

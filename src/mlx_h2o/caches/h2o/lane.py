@@ -122,7 +122,6 @@ class Lane:
             out, raw, column = attention_with_scores(q, segments, scale=scale, mask=mask, scores="mass", sinks=sinks, q_rotation=q_rotation,
                                                      out_rotation=out_rotation, score_column=(column, alpha, beta, held))
             store.folded("acc", column)
-            out = out if rotations else store.restore_output(out, queries.dtype)
         else:
             def op(q, mask, scores):
                 return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks,
@@ -132,8 +131,8 @@ class Lane:
             alpha, beta = scorer.rule.coefficients(rows, live)
             if T:
                 self.archive.accumulate("acc", stats[..., :T], alpha, beta)
-            out = out if rotations else store.restore_output(out, queries.dtype)
             out = store.accumulate("acc", stats[..., T:] if T else stats, alpha, beta, along=out)
+        out = out if rotations else store.restore_output(out, queries.dtype)
         others = self.updates()
         return (mx.depends(out, others) if others else out), raw
 
