@@ -18,6 +18,7 @@
 #include "kv_rows.h"
 #include "quantized_matmul.h"
 #include "take_rows.h"
+#include "top_rows.h"
 #include "uninitialized.h"
 
 namespace nb = nanobind;
@@ -86,6 +87,9 @@ NB_MODULE(_ext, m) {
   m.def("take_rows", &mlx_h2o::take_rows, "arrays"_a, "idx"_a, "stream"_a = nb::none(),
         "For each array (B, H, C, ...), its rows idx (B, H, K) (int32 / uint32) per (batch, head): a list of (B, H, K, ...)\n"
         "arrays, one primitive for all (an index outside [0, C) gives a row of zeros).");
+  m.def("top_rows", &mlx_h2o::top_rows, "key"_a, "count"_a, "capacity"_a = -1, "stream"_a = nb::none(),
+        "key (..., P) float32 -> (..., capacity) int32: per row the indices of its `count` largest keys (ties: the\n"
+        "lower index; NaN ranks as -inf), ascending, then zeros up to `capacity` (-1: count). One primitive.");
   m.def("rotate_rows", &mlx_h2o::rotate_rows, "x"_a, "rotation"_a, "dtype"_a, "stream"_a = nb::none(),
         "x (..., D) @ rotation (D, D), each output summed in float64 and rounded once to dtype.");
   m.def("quantize_rows_into", &mlx_h2o::quantize_rows_into, "packed"_a, "scales"_a, "biases"_a, "x"_a, "start"_a,

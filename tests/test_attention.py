@@ -115,6 +115,33 @@ def test_dense_rows_segments_read_buffers_in_place():
         attention_with_scores(q, [(DenseRows(k, 1.5), DenseRows(v, 2))], scale=0.125)
 
 
+@pytest.mark.parametrize("rising", [False, True])
+def test_mass_over_key_splits_and_segment_cut_tiles(rising):
+    """The mass of decode rows whose keys are split across threads, in segments whose ends cut tiles
+    short, and with a running max that rises from tile to tile (`rising`: later keys score higher),
+    so every split's partial softmax is rescaled when they combine. Against the float64 reference,
+    with and without masks and sinks."""
+    from mlx_h2o.attention import DenseRows, attention_with_scores
+
+    rng = np.random.default_rng(15)
+    lengths, B, Hq, Hkv, D = [37, 700, 5, 691], 2, 9, 3, 64
+    N = sum(lengths)
+    q, k, v = make_inputs(rng, B, Hq, Hkv, 1, N, D, mx.float16)
+    if rising:  # keys along q's mean direction, growing with the position
+        direction = np.array(q.astype(mx.float32)).reshape(B, Hkv, Hq // Hkv, D).mean(axis=2)[:, :, None, :]
+        k = (k.astype(mx.float32) + mx.array(direction * np.linspace(0, 6, N)[None, None, :, None].astype(np.float32))).astype(mx.float16)
+    bounds = np.cumsum([0] + lengths)
+    spare = [mx.concatenate([x[:, :, a:b], randn(rng, (B, Hkv, 3, D), mx.float16)], axis=2) for a, b in zip(bounds, bounds[1:]) for x in (k, v)]
+    segments = [(DenseRows(spare[2 * i], n), DenseRows(spare[2 * i + 1], n)) if i % 2 else (k[:, :, a:b], v[:, :, a:b])
+                for i, (n, a, b) in enumerate(zip(lengths, bounds, bounds[1:]))]
+
+    def fused(q, k, v, **kw):
+        return attention_with_scores(q, segments, **kw)
+
+    for mask, sinks in [(None, None), (random_mask(rng, "bool", B, Hq, 1, N), None), (None, randn(rng, (Hq,), mx.float32))]:
+        check(q, None, None, D**-0.5, mask, sinks, fn=fused, ref_kv=(k, v))
+
+
 @pytest.mark.parametrize("rows", [-1, 191, 1.5, True])
 def test_bad_leading_rows(rows):
     q, k, v = make_inputs(np.random.default_rng(0), 1, 2, 1, 1, 190, 64, mx.float32)

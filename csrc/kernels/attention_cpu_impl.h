@@ -15,6 +15,7 @@
 //            scratch of (rows x N) floats and, once every row's final (m, l) is known, adds
 //            exp(S - m) / l over the rows of each kv group: post-softmax mass without a second
 //            Q K^T pass. Rows are processed in waves so the scratch stays bounded for long prefills.
+//            A decode block that is one task (no key splits) adds its own at the end of the task.
 // Logits are kept in log2 units (q is pre-scaled by scale * log2(e)) so the softmax uses exp2.
 
 #include "simd.h"
@@ -542,6 +543,23 @@ static void finish_block(const AttentionProblem& p, const Plan& pl, const Block&
   }
 }
 
+// mass[b, h, n] += exp2(S - m) / l over the block's rows for keys [n0, n1) (each row up to its causal
+// limit): its logits `rows` (as attend_range kept them), final m and l (finish_block).
+static void add_block_mass(const AttentionProblem& p, const Plan& pl, const Block& bk, const float* rows, const float* fm,
+                           const float* fl, int n0, int n1) {
+  const int G = pl.G, R = G * bk.nl;
+  float* out = p.scores + (static_cast<int64_t>(bk.b) * p.Hkv + bk.h) * p.N;
+  for (int r = 0; r < R; ++r) {
+    if (!(fl[r] > 0.0f)) continue;
+    const int stop = imin(n1, key_limit(p, bk.l0 + r / G) + 1);
+    const v8f mv = splat(fm[r]), inv = splat(1.0f / fl[r]);
+    const float* sr = rows + static_cast<int64_t>(r) * p.N;
+    int n = n0;
+    for (; n + 8 <= stop; n += 8) store8(out + n, load8(out + n) + exp2v(load8(sr + n) - mv) * inv);
+    for (; n < stop; ++n) out[n] += exp2s(sr[n] - fm[r]) / fl[r];
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The driver.
 
@@ -561,6 +579,9 @@ static void run_attention(const AttentionProblem& p) {
   KeptFloats<1> partials(static_cast<int64_t>(pl.wave_blocks) * S * part_stride);
   KeptFloats<2> finals(2 * wave_rows);  // final m, l per row of the wave
   const int64_t work_floats = attend_work_floats(pl, Rmax);
+  // A block that is one task (no key splits) and alone on its kv head (decode: one query row per
+  // head) owns its mass row: phase A finishes it, and there is nothing left for phases B and C.
+  const bool finished_in_a = mass && S == 1 && pl.blocks_per_head == 1;
 
   for (int w0 = 0; w0 < pl.n_blocks; w0 += pl.wave_blocks) {
     const int nb = imin(pl.wave_blocks, pl.n_blocks - w0);
@@ -586,8 +607,14 @@ static void run_attention(const AttentionProblem& p) {
       FloatBuffer scratch(work_floats);
       const int n_begin = sp * pl.split_len, n_end = imin(p.N, n_begin + pl.split_len);
       attend_range(p, pl, bk, n_begin, n_end, sink, RowState{part, part + R, part + 2 * R}, scratch.p);
+      if (finished_in_a) {  // the block's phases B and C, while its logits are in this core's cache
+        float* fm = finals.p + static_cast<int64_t>(bi) * Rmax;
+        finish_block(p, pl, bk, part, part_stride, 1, fm, fm + wave_rows);
+        add_block_mass(p, pl, bk, sink.base, fm, fm + wave_rows, 0, p.N);
+      }
     };
     run_parallel(nb * S, pl.threads, phase_a);
+    if (finished_in_a) continue;
 
     // Phase B: combine splits, write outputs, keep each row's final (m, l).
     auto phase_b = [&](int bi) {
@@ -610,24 +637,12 @@ static void run_attention(const AttentionProblem& p) {
     auto phase_c = [&](int task) {
       const int bh = bh_first + task / n_chunks, c = task % n_chunks;
       const int n0 = c * chunk, n1 = imin(p.N, n0 + chunk);
-      float* out = p.scores + static_cast<int64_t>(bh) * p.N;
       const int bi0 = imax(w0, bh * pl.blocks_per_head) - w0;
       const int bi1 = imin(w0 + nb, (bh + 1) * pl.blocks_per_head) - w0;
       for (int bi = bi0; bi < bi1; ++bi) {
-        const Block bk = block_at(p, pl, w0 + bi);
-        const int R = G * bk.nl;
         const float* fm = finals.p + static_cast<int64_t>(bi) * Rmax;
-        const float* fl = fm + wave_rows;
-        const float* rows = logit_scratch.p + static_cast<int64_t>(bi) * Rmax * p.N;
-        for (int r = 0; r < R; ++r) {
-          if (!(fl[r] > 0.0f)) continue;
-          const int stop = imin(n1, key_limit(p, bk.l0 + r / G) + 1);
-          const v8f mv = splat(fm[r]), inv = splat(1.0f / fl[r]);
-          const float* sr = rows + static_cast<int64_t>(r) * p.N;
-          int n = n0;
-          for (; n + 8 <= stop; n += 8) store8(out + n, load8(out + n) + exp2v(load8(sr + n) - mv) * inv);
-          for (; n < stop; ++n) out[n] += exp2s(sr[n] - fm[r]) / fl[r];
-        }
+        add_block_mass(p, pl, block_at(p, pl, w0 + bi), logit_scratch.p + static_cast<int64_t>(bi) * Rmax * p.N, fm,
+                       fm + wave_rows, n0, n1);
       }
     };
     const int64_t c_work = static_cast<int64_t>(nb) * Rmax * p.N;

@@ -3,15 +3,17 @@ highest priorities for the rest, per kv head or per layer (`select`)."""
 
 import mlx.core as mx
 
+from ..._native import _ext
 from ...distributed import all_sum
-from ...storage import pad_indices
 from .spread import adaptive_lane_selection
 
 
-def select_entries(priority: mx.array, protected: mx.array, count: int, shared: bool, dead=None) -> mx.array:
+def select_entries(priority: mx.array, protected: mx.array, count: int, shared: bool, dead=None, capacity: int = -1) -> mx.array:
     """Indices (B, H, count), ascending, of the entries to keep: every protected entry, then the
-    highest priorities (argpartition, not a sort). priority, protected: (B, H, P); `dead` (B, H, P)
-    bool: rows that are no entry (ColumnedKV.dead_rows), never chosen.
+    highest priorities (ties: the older entry), int32, padded with zeros to `capacity` (-1: none)
+    for a gather into buffers of that many rows: one primitive (`_ext.top_rows`). priority,
+    protected: (B, H, P); `dead` (B, H, P) bool: rows that are no entry (ColumnedKV.dead_rows),
+    never chosen.
 
     shared=True picks one set per sequence for all heads from the priorities summed over heads
     (the heads then hold the same positions, so protection agrees) and returns (B, 1, count)."""
@@ -21,8 +23,7 @@ def select_entries(priority: mx.array, protected: mx.array, count: int, shared: 
         priority = priority.sum(axis=1, keepdims=True)
         protected = protected.any(axis=1, keepdims=True)
     key = mx.where(protected, mx.inf, priority)
-    idx = mx.argpartition(-key, kth=count - 1, axis=-1)[..., :count]
-    return mx.sort(idx, axis=-1)
+    return _ext.top_rows(key if key.dtype == mx.float32 else key.astype(mx.float32), count, capacity)
 
 
 def entry_priority(scorer, acc, positions, offset, scoreless: bool, *content) -> mx.array:
@@ -62,8 +63,8 @@ def eviction_plan(budget, scorer, scoreless: bool, group=None, masked: bool = Fa
                 return priority.sum(axis=1, keepdims=True) if shared else priority
 
             def choose(priority, positions, recent_from, keep, capacity, *dead):
-                idx = select_entries(priority, budget.protected(positions, recent_from), keep, shared, *dead)
-                return pad_indices(mx.broadcast_to(idx, (*positions.shape[:2], keep)), capacity)
+                idx = select_entries(priority, budget.protected(positions, recent_from), keep, shared, *dead, capacity=capacity)
+                return mx.broadcast_to(idx, (*positions.shape[:2], idx.shape[2])) if shared else idx
 
             def plan(acc, positions, offset, recent_from, keep, capacity, *rest):
                 content, dead = _content_and_dead(rest, masked)

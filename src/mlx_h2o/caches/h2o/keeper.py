@@ -135,9 +135,9 @@ class Keeper:
         archive.written_columns()
         if archive.length > A:
             priority = rule.priority(archive.column("acc"), archive.column("pos"), offset)
-            idx = select_entries(priority, mx.zeros(priority.shape, mx.bool_), A, False)
             # Room for the next eviction's rows, so appending does not reallocate.
-            archive.gather(pad_indices(idx, A + n - keep), A, 0, A + n - keep)
+            idx = select_entries(priority, mx.zeros(priority.shape, mx.bool_), A, False, capacity=A + n - keep)
+            archive.gather(idx, A, 0, A + n - keep)
 
 
 def _kept_mask(n: int, kept_idx: mx.array) -> mx.array:
