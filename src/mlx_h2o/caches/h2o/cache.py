@@ -189,7 +189,8 @@ class H2OKVCache(SharesGroup, AttendingCache):
             self._evict(keep, L)
         # written when read (ColumnedKV): a score of 0, the positions, a multiplicity of 1
         new = {"acc": 0.0, "pos": range(self.offset, self.offset + L)}
-        new.update({"mult": 1.0} if self.config.keeper.merge is not None else {})
+        if self.config.keeper.merge is not None:
+            new["mult"] = 1.0
         for lane in self.lanes:
             capacity = self.budget.buffer_capacity(self.offset, lane.length + L)
             lane.store.append(lane.rows_of(keys), lane.rows_of(values), capacity, **new)
@@ -240,8 +241,9 @@ class H2OKVCache(SharesGroup, AttendingCache):
         """Attention for this layer, each lane's scores folded into its columns."""
         if self._pending is not None:
             return self._attend_in_steps(queries, scale=scale, sinks=sinks)
-        self.passes_rows |= handed_on(self._fetched_id, keys, values)
-        _check_call(self.lanes, keys, values, mask)
+        handed = handed_on(self._fetched_id, keys, values)
+        self.passes_rows |= handed
+        _check_call(self.lanes, keys, values, mask, handed)
         self.scale, outs = float(scale), []
         for lane in self.lanes:
             out, raw = lane.attend(queries, self.config.scorer, scale=scale, mask=mask, sinks=sinks, kv_heads=self.shape[1],
@@ -287,12 +289,14 @@ class H2OKVCache(SharesGroup, AttendingCache):
         self.shape = None if self.shape is None else tuple(self.shape)
 
 
-def _check_call(lanes, keys, values, mask):
-    """An attention call must bring what update_and_fetch returned (every entry held) and, for heads
-    of different lengths, a mask that fits them all (None or 'causal')."""
+def _check_call(lanes, keys, values, mask, handed: bool):
+    """An attention call must bring what update_and_fetch returned (every entry held; `handed`: it
+    did, untouched) and, for heads of different lengths, a mask that fits them all (None or 'causal')."""
     if len(lanes) > 1:
         if isinstance(mask, mx.array) and len({lane.length for lane in lanes}) > 1:
             raise ValueError("head_budget='adaptive' attends each head over its own entries: the mask must be None or 'causal'")
+        return
+    if handed:
         return
     if isinstance(keys, list):
         N = sum(k.length if isinstance(k, PackedKV) else k.shape[2] for k, _ in keys)

@@ -11,6 +11,7 @@ ColumnedKV.accumulate), and turns the accumulator into the priority that evictio
 Each rule is a few lines; add one with `@register_score`.
 """
 
+import functools
 from typing import Dict, Optional, Tuple, Type
 
 import mlx.core as mx
@@ -47,7 +48,7 @@ class ScoreRule:
         the accumulator becomes alpha * acc + beta * stats."""
         raise NotImplementedError
 
-    @property
+    @functools.cached_property  # (asked by every layer at every decode step)
     def folds_mass(self) -> bool:
         """Whether a one-row call's stats are the op's mass itself (this class's `stats`), so the
         attention op can fold them into the accumulator (its score column) with the same bits."""
