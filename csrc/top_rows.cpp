@@ -6,7 +6,6 @@
 #include <numeric>
 #include <stdexcept>
 
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
 #include "op_utils.h"
@@ -69,7 +68,7 @@ void TopRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   const auto in = prepare_contiguous(inputs, outputs, enc);
   const mx::array& key = in[0];
   const int P = key.shape(-1);
-  const int64_t rows = P ? key.size() / P : 0;
+  const int64_t rows = key.size() / P;  // (P >= count >= 1)
   enc.dispatch([k = key.data<float>(), out = outputs[0].data<int32_t>(), rows, P, count = count_, capacity = capacity_]() {
     std::vector<float> ranked(P);
     std::vector<int32_t> order(P);

@@ -43,24 +43,13 @@ class ColumnedKV(KVWrapper):
     def __init__(self, rows: KVStorage, dtypes: Dict[str, str], masks_shared: bool = False):
         super().__init__(rows)
         self.dtypes = dict(dtypes)
-        self.columns = None  # name -> (B, H, capacity)
+        self.columns: Optional[Dict[str, mx.array]] = None  # name -> (B, H, capacity)
         self._all_written()
         # Whether a compaction may keep a shared prefix in place (module docstring): only for
         # owners that skip dead rows everywhere they read rows (an h2o lane without archive or merge).
         self.masks_shared = masks_shared
         self.dead: Optional[mx.array] = None  # (B, H, n) bool over the first n rows; the rest are live
         self.dead_count = 0  # dead rows per (batch, head): every head holds as many live ones
-
-    @property
-    def columns(self) -> Optional[Dict[str, mx.array]]:
-        return self._columns
-
-    @columns.setter
-    def columns(self, columns: Optional[Dict[str, mx.array]]) -> None:
-        # assigned whole when their capacity changes (an update of one column keeps its shape), and
-        # the capacity kept with them: append compares with it at every decode step
-        self._columns = columns
-        self.columns_capacity = 0 if columns is None else next(iter(columns.values())).shape[2]
 
     @property
     def live_length(self) -> int:
@@ -128,15 +117,13 @@ class ColumnedKV(KVWrapper):
         """(buffer, held) of column `name` for an op that folds statistics of its first n entries into
         it (accumulate_prefix, or the attention op's score column): entries at or past `held` read as
         0, the waiting zeros the op then writes. The caller sets the op's result (`folded`)."""
-        waiting, length = self._waiting[name], self.length
-        if not waiting:
-            held = length
-        elif len(waiting) == 1 and n == length and isinstance(waiting[0][1], (int, float)) and waiting[0][1] == 0:
-            held = length - waiting[0][0]  # (a decode step's: the zeros of the rows appended since the last fold)
-        else:
-            if n != length or any(not (isinstance(v, (int, float)) and v == 0) for _, v in waiting):
-                self._write(name)
-            held = self._written(name, length)
+        length = held = self.length
+        for entries, v in self._waiting[name]:
+            if n != length or not (isinstance(v, (int, float)) and v == 0):
+                self._write(name)  # (then the buffer holds every value)
+                held = length
+                break
+            held -= entries
         self._waiting[name] = []  # the op writes the waiting zeros (or they were written above)
         return self.columns[name], held
 
@@ -153,14 +140,13 @@ class ColumnedKV(KVWrapper):
 
     def append(self, keys, values, capacity=None, transform=None, **columns: ColumnValues) -> None:
         """Rows as `KVStorage.append`, and each column's values for them (written when read)."""
-        waiting = self._waiting
-        if columns.keys() != waiting.keys():
+        if columns.keys() != self.dtypes.keys():
             raise ValueError(f"append needs the columns {sorted(self.dtypes)}, got {sorted(columns)}")
         B, H, L = keys.shape[:3]
         for name, v in columns.items():
             if not isinstance(v, (int, float)) and _count(v) != L:
                 raise ValueError(f"column {name!r} got {_count(v)} values for {L} entries")
-        n = self.inner.length
+        n = self.length
         if self.columns is None:
             cap = capacity_for(L, capacity)
             self.columns = {k: mx.zeros((B, H, cap), getattr(mx, d)) for k, d in self.dtypes.items()}
@@ -169,7 +155,11 @@ class ColumnedKV(KVWrapper):
             self.columns = dict(zip(written, grow_rows(written.values(), n, capacity_for(n + L, capacity))))
         self.inner.append(keys, values, capacity, transform)
         for name, v in columns.items():
-            _wait(waiting[name], L, v)
+            _wait(self._waiting[name], L, v)
+
+    @property
+    def columns_capacity(self) -> int:
+        return 0 if self.columns is None else next(iter(self.columns.values())).shape[2]
 
     def gather(self, idx, keep, protected_tail=0, capacity=0) -> None:
         """`KVStorage.gather`; idx names live rows only. With `masks_shared`, a prefix shared with

@@ -131,10 +131,6 @@ class RowStore:
         place); as stock ops it was up to 10 (the centre's cast, subtraction and cast back, the
         matmul's flatten, matmul and unflatten, the quantize, a slice_update per array) for a decode
         step's one row."""
-        if self.bits is None and rotation is None and center is None:  # (a dense store's decode row: no encode, one slice update)
-            self._view = None
-            self._arrays[0][:, :, start : start + x.shape[2]] = x
-            return
         if self.bits in FUSED_WRITE_BITS and x.dtype == self._arrays[1].dtype:
             self.arrays = tuple(_ext.quantize_rows_into(*self.arrays, x, start, rotation, self.bits, self.group_size, center))
             return

@@ -194,7 +194,7 @@ class Budget:
     def buffer_capacity(self, offset: int, needed: int) -> int:
         """Rows to allocate for `needed` entries: the steady-state size (M + pinned) once reached,
         storage growth steps below it, exactly `needed` above it (a prefill chunk)."""
-        steady = self.max_kv_size + (self.pinned_before(offset + 1) if self.pin else 0)
+        steady = self.max_kv_size + self.pinned_before(offset + 1)
         return needed if needed > steady else min(steady, grown_capacity(needed))
 
     # ------------------------------------------------------------------ which
