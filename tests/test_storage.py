@@ -11,7 +11,7 @@ import pytest
 
 from mlx_h2o import PackedKV, attention_with_scores
 from mlx_h2o._native import _ext
-from mlx_h2o.storage import CenteredKeysKV, KVStore, kv, RotatedKV, SinkRowsKV, TieredKV, make_kv_storage, take_rows
+from mlx_h2o.storage import CenteredKeysKV, ColumnedKV, KVStore, kv, RotatedKV, SinkRowsKV, TieredKV, make_kv_storage, take_rows
 
 B, H, D = 2, 3, 64
 GROUP = 32
@@ -128,6 +128,51 @@ def test_dense_store_fetch_gives_arrays_and_nbytes_counts_live_rows():
     packed.append(k, v)
     segments, none = packed.fetch()
     assert none is None and isinstance(segments[0][0], PackedKV)
+
+
+def test_an_append_in_place_writes_only_dense_rows_of_its_own_into_room():
+    """`append_in_place` is `append` where it only writes: dense rows of its own with room in the
+    buffers, fetched as `fetch` gives them. Anything else (growth, packed rows, a shared prefix,
+    columns without room or not yet made) it leaves to `append`, changing nothing."""
+    rng = np.random.default_rng(2)
+    k, v = _rows(rng, 5, mx.float16)
+    one_k, one_v = _rows(rng, 1, mx.float16)
+    store, twin = KVStore(None), KVStore(None)
+    for s in (store, twin):
+        s.append(k, v, capacity=7)
+    fetched = store.append_in_place(one_k, one_v)
+    twin.append(one_k, one_v)
+    assert fetched is not None and store.length == 6
+    for got, want in zip(fetched + store.read_rows(), twin.fetch() + twin.read_rows()):
+        assert mx.array_equal(got, want)
+    assert fetched[0] is store.fetch()[0]  # what attention then recognises as handed on (attended)
+    assert store.append_in_place(*_rows(rng, 2, mx.float16)) is None and store.length == 6  # no room for 2
+    packed = KVStore(4, GROUP)
+    packed.append(k, v, capacity=64)
+    assert packed.append_in_place(one_k, one_v) is None and packed.length == 5
+    shared = copy.deepcopy(store)  # its rows now a prefix it shares
+    assert shared.append_in_place(one_k, one_v) is None and shared.length == 6
+
+    columns = {"acc": "float32", "pos": "int32"}
+    assert ColumnedKV(KVStore(None), columns).append_in_place(one_k, one_v, acc=0.0, pos=range(1)) is None  # nothing held yet
+    columned, reference = ColumnedKV(KVStore(None), columns), ColumnedKV(KVStore(None), columns)
+    for s in (columned, reference):
+        s.append(k, v, 8, acc=1.0, pos=range(5))
+    for step in range(5):
+        new = dict(acc=0.0, pos=range(5 + step, 6 + step))
+        written = columned.append_in_place(one_k, one_v, **new)
+        assert (written is None) == (step == 3), step  # the 8 rows full after 3; then grown to 16
+        if written is None:
+            columned.append(one_k, one_v, 16, **new)
+        reference.append(one_k, one_v, 16, **new)
+    for name in columns:
+        assert mx.array_equal(columned.column(name), reference.column(name))
+    for got, want in zip(columned.read_rows(), reference.read_rows()):
+        assert mx.array_equal(got, want)
+    with pytest.raises(ValueError, match="needs the columns"):
+        ColumnedKV(KVStore(None), columns).append(k, v, acc=0.0)
+    with pytest.raises(ValueError, match="2 values for 1 entries"):
+        reference.append_in_place(one_k, one_v, acc=0.0, pos=range(2))
 
 
 def _assert_rows(store, ref, bits):

@@ -295,6 +295,41 @@ def test_a_decode_step_folds_its_scores_in_the_attention_op(options, monkeypatch
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(kv_dtype="float32", select="layer"), dict(score="ema", sink=0),
+                                     dict(kv_bits=4, rotate=True), dict(merge=0.9), dict(head_budget="adaptive")])
+def test_a_decode_step_over_rows_of_its_own_skips_the_general_path(options, monkeypatch):
+    """A decode step whose lane holds dense rows of its own with room (the default h2o) appends them
+    in place (ColumnedKV.append_in_place) and attends them alone (Lane.attend_row), without the
+    general path's Python: the same logits and score and position columns, bit for bit, as the
+    general path (Lane.attend after ColumnedKV.append), evictions included. Other layouts take the
+    general path."""
+    from mlx_h2o.caches.h2o.lane import Lane
+    from mlx_h2o.storage import ColumnedKV
+
+    model = tiny_model("llama", head_dim=32)
+    x = tokens(40, seed=5)[None]
+    general_attends = Lane.attend
+    runs = {}
+    for general in (False, True):
+        if general:
+            monkeypatch.setattr(ColumnedKV, "append_in_place", lambda self, *a, **k: None)
+            monkeypatch.setattr(Lane, "attend_row", lambda self, *a, **k: None)
+        calls = []
+        monkeypatch.setattr(Lane, "attend", lambda self, *a, **k: calls.append(1) or general_attends(self, *a, **k))
+        cache = mlx_h2o.make_cache(model, "h2o", max_kv_size=24, evict_every=4, **options)
+        logits, y = [], mx.argmax(model(x, cache=cache)[:, -1:], axis=-1)
+        calls.clear()
+        for step in range(40):  # evicting every 4 tokens
+            out = model(y, cache=cache)[:, -1:]
+            y = mx.argmax(out, axis=-1)
+            logits.append(np.array(out))
+        runs[general] = logits, [np.array(lane.store.column(name)) for c in _h2o_layers(cache) for lane in c.lanes for name in ("acc", "pos")]
+        one_row = not general and not options.get("kv_bits") and "merge" not in options and "head_budget" not in options
+        assert (len(calls) == 0) == one_row, (general, len(calls))
+    for a, b in zip(runs[False][0] + runs[False][1], runs[True][0] + runs[True][1]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_cache_copied_step_after_step_attends_within_the_segment_limit():
     """Copies share rows in pieces (storage/kv.py): two tiers and an archive, copied at every step,
     would hand the fused op more segments than it takes; the lane joins them, and the copy attends

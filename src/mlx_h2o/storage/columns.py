@@ -140,12 +140,8 @@ class ColumnedKV(KVWrapper):
 
     def append(self, keys, values, capacity=None, transform=None, **columns: ColumnValues) -> None:
         """Rows as `KVStorage.append`, and each column's values for them (written when read)."""
-        if columns.keys() != self.dtypes.keys():
-            raise ValueError(f"append needs the columns {sorted(self.dtypes)}, got {sorted(columns)}")
         B, H, L = keys.shape[:3]
-        for name, v in columns.items():
-            if not isinstance(v, (int, float)) and _count(v) != L:
-                raise ValueError(f"column {name!r} got {_count(v)} values for {L} entries")
+        self._check_columns(columns, L)
         n = self.length
         if self.columns is None:
             cap = capacity_for(L, capacity)
@@ -156,6 +152,26 @@ class ColumnedKV(KVWrapper):
         self.inner.append(keys, values, capacity, transform)
         for name, v in columns.items():
             _wait(self._waiting[name], L, v)
+
+    def append_in_place(self, keys, values, **columns: ColumnValues):
+        """`KVStorage.append_in_place` with each column's values, waiting as `append` leaves them."""
+        L = keys.shape[2]
+        if self.columns is None or self.length + L > self.columns_capacity:
+            return None
+        self._check_columns(columns, L)
+        fetched = self.inner.append_in_place(keys, values)
+        if fetched is not None:
+            for name, v in columns.items():
+                _wait(self._waiting[name], L, v)
+        return fetched
+
+    def _check_columns(self, columns: Dict[str, ColumnValues], L: int) -> None:
+        """An append's column values: one for each column, covering its L entries."""
+        if columns.keys() != self.dtypes.keys():
+            raise ValueError(f"append needs the columns {sorted(self.dtypes)}, got {sorted(columns)}")
+        for name, v in columns.items():
+            if not isinstance(v, (int, float)) and _count(v) != L:
+                raise ValueError(f"column {name!r} got {_count(v)} values for {L} entries")
 
     @property
     def columns_capacity(self) -> int:

@@ -49,6 +49,13 @@ class KVStorage(ABC):
         (None: steps of GROW_STEP rows). With a `transform`, the rows to keep are what it makes of
         them (rotated, keys centred), in their dtype."""
 
+    def append_in_place(self, keys: mx.array, values: mx.array):
+        """`append` where it only writes: rows kept as they come, into room the buffers have. Returns
+        what `fetch` then returns, or None, having done nothing, where `append` must run (growth,
+        packing, a transform, shared rows). A decode step's append, without the general path's
+        Python (docs/cpu-decode.md)."""
+        return None
+
     @abstractmethod
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
         """Keep rows idx[..., :keep] (ascending) per (batch, head), in buffers of `capacity` rows; the
@@ -264,6 +271,16 @@ class KVStore(KVStorage):
             self.k.put(start, keys, transform.rk, transform.key_center)
             self.v.put(start, values, transform.rv)
         self._length = needed
+
+    def append_in_place(self, keys: mx.array, values: mx.array):
+        start = self._length
+        needed = start + keys.shape[2]
+        if self.shared or self.k.bits is not None or self.v.bits is not None or needed > self.k.capacity:
+            return None
+        self.k.write(start, (keys,))
+        self.v.write(start, (values,))
+        self._length = needed
+        return self.k.view(needed), self.v.view(needed)
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
         self.own_rows()

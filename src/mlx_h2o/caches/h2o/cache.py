@@ -70,6 +70,7 @@ class H2OKVCache(SharesGroup, AttendingCache):
     def reset(self):
         """Forget everything (an independent generation starts from scratch)."""
         self.lanes = None  # set by the first rows, with (B, H), the head dims and the rows' dtype
+        self._row_lane = None  # the one lane, where a decode row attends its rows alone (_start)
         self.shape = self.head_dims = self.row_dtype = None  # row_dtype by name ("float16"): caches deep-copy
         self.offset = self.length = self.peak = self.evictions = 0
         self.scoreless, self._awaiting_scores, self.scale = False, False, None
@@ -191,17 +192,21 @@ class H2OKVCache(SharesGroup, AttendingCache):
         new = {"acc": 0.0, "pos": range(self.offset, self.offset + L)}
         if self.config.keeper.merge is not None:
             new["mult"] = 1.0
-        for lane in self.lanes:
-            capacity = self.budget.buffer_capacity(self.offset, lane.length + L)
-            lane.store.append(lane.rows_of(keys), lane.rows_of(values), capacity, **new)
+        # one lane whose dense rows have room (a decode step, mostly): written in place, nothing else
+        fetched = self.lanes[0].store.append_in_place(keys, values, **new) if len(self.lanes) == 1 else None
+        if fetched is None:
+            for lane in self.lanes:
+                capacity = self.budget.buffer_capacity(self.offset, lane.length + L)
+                lane.store.append(lane.rows_of(keys), lane.rows_of(values), capacity, **new)
         self.offset, self.length = self.offset + L, self.length + L
         self.peak, self._awaiting_scores = max(self.peak, self.length), True
         if len(self.lanes) > 1:
             return self.lanes, None
-        store = self.lanes[0].store
-        if not self.passes_rows:
-            store.own_rows()
-        fetched = store.fetch()
+        if fetched is None:
+            store = self.lanes[0].store
+            if not self.passes_rows:
+                store.own_rows()
+            fetched = store.fetch()
         self._fetched_id = fetched_ids(fetched)
         return fetched
 
@@ -223,6 +228,8 @@ class H2OKVCache(SharesGroup, AttendingCache):
         self.lanes = lanes or make_lanes(self.config, self.seed, B, H, self.budget)
         for lane in self.lanes:
             lane.archive_size, lane.row_dtype = self.archive_size, dtype
+        # (asked at every decode step: worked out once per layout)
+        self._row_lane = self.lanes[0] if len(self.lanes) == 1 and self.lanes[0].reads_rows_alone(self.config.scorer) else None
 
     def _evict(self, keep: int, L: int):
         """Keep `keep` entries per head (the budget's protected, the scorer's best); the keeper takes the rest."""
@@ -242,6 +249,14 @@ class H2OKVCache(SharesGroup, AttendingCache):
         if self._pending is not None:
             return self._attend_in_steps(queries, scale=scale, sinks=sinks)
         handed = handed_on(self._fetched_id, keys, values)
+        lane = self._row_lane
+        if (handed and lane is not None and mask is None and sinks is None and queries.shape[2] == 1
+                and (self.budget_group is None or self.budget_group.allocated)):
+            # a decode step (the general path below, without what this layer does not need)
+            attended = lane.attend_row(queries, self.config.scorer.rule, (keys, values), scale=scale)
+            if attended is not None:
+                self.passes_rows, self.scale, self._awaiting_scores = True, float(scale), False
+                return attended[0]
         self.passes_rows |= handed
         _check_call(self.lanes, keys, values, mask, handed)
         self.scale, outs = float(scale), []

@@ -115,13 +115,7 @@ class Lane:
         heads = kv_heads if self.heads is None else 1
         own_heads = own is None or not isinstance(own[0], mx.array) or own[0].shape[1] == heads  # (MLA attends other heads)
         if not T and q.shape[2] == 1 and scorer.rule.folds_mass and own_heads:
-            # A decode row over the lane's own rows: its stats are the op's mass, which the op folds
-            # into the score column itself (an output of the attention primitive: no primitive of its own).
-            alpha, beta = scorer.rule.coefficients(1, store.live_length)
-            column, held = store.folding("acc", store.length)
-            out, raw, column = attention_with_scores(q, segments, scale=scale, mask=mask, scores="mass", sinks=sinks, q_rotation=q_rotation,
-                                                     out_rotation=out_rotation, score_column=(column, alpha, beta, held))
-            store.folded("acc", column)
+            out, raw = self._attend_folding(q, segments, scorer.rule, scale=scale, mask=mask, sinks=sinks, rotations=rotations)
         else:
             def op(q, mask, scores):
                 return attention_with_scores(q, segments, scale=scale, mask=mask, scores=scores, sinks=sinks,
@@ -135,6 +129,41 @@ class Lane:
         out = out if rotations else store.restore_output(out, queries.dtype)
         others = self.updates()
         return (mx.depends(out, others) if others else out), raw
+
+    def reads_rows_alone(self, scorer) -> bool:
+        """Whether a decode row's attention needs nothing but the lane's own rows and the op's mass
+        (`attend_row`): the lane is all of the layer, with no archive, merged entries or running
+        query statistics, and the score rule folds the op's mass."""
+        return self.heads is None and self.archive is None and "mult" not in self.store.dtypes and scorer.expected == 0 and scorer.rule.folds_mass
+
+    def attend_row(self, queries: mx.array, rule, own, *, scale):
+        """`attend` for one decode row of the layer's queries (B, Hq, 1, D), without a mask or sinks,
+        over `own`, the (keys, values) the store's `append_in_place` returned, where the lane is all
+        of the layer and keeps no archive, merges or running query statistics, and the rule folds
+        mass (the caller's part: `reads_rows_alone`): the op reads the rows in place and folds its
+        mass into the score column, nothing else is built. None (nothing done) where the store does
+        not read `own` in place or holds dead rows. Returns (output, raw scores)."""
+        store = self.store
+        segments = store.attended(own) if store.dead is None else None
+        if segments is None:
+            return None
+        rotations = store.rotations()
+        q = queries if rotations else store.prepare_queries(queries)
+        out, raw = self._attend_folding(q, segments, rule, scale=scale, mask=None, sinks=None, rotations=rotations)
+        return (out if rotations else store.restore_output(out, queries.dtype)), raw
+
+    def _attend_folding(self, q, segments, rule, *, scale, mask, sinks, rotations):
+        """A decode row over the lane's own rows: its stats are the op's mass, which the op folds
+        into the score column itself (an output of the attention primitive: no primitive of its
+        own). Returns (output in the stored space, raw scores)."""
+        store = self.store
+        alpha, beta = rule.coefficients(1, store.live_length)
+        column, held = store.folding("acc", store.length)
+        q_rotation, out_rotation = rotations or (None, None)
+        out, raw, column = attention_with_scores(q, segments, scale=scale, mask=mask, scores="mass", sinks=sinks, q_rotation=q_rotation,
+                                                 out_rotation=out_rotation, score_column=(column, alpha, beta, held))
+        store.folded("acc", column)
+        return out, raw
 
     def updates(self) -> list:
         """What attention updates beside its output and its score column (the archive's columns, the
