@@ -280,7 +280,7 @@ class KVStore(KVStorage):
         self.k.write(start, (keys,))
         self.v.write(start, (values,))
         self._length = needed
-        return self.k.view(needed), self.v.view(needed)
+        return self.fetch()
 
     def gather(self, idx: mx.array, keep: int, protected_tail: int = 0, capacity: int = 0) -> None:
         self.own_rows()

@@ -249,15 +249,15 @@ class H2OKVCache(SharesGroup, AttendingCache):
         if self._pending is not None:
             return self._attend_in_steps(queries, scale=scale, sinks=sinks)
         handed = handed_on(self._fetched_id, keys, values)
+        self.passes_rows |= handed
         lane = self._row_lane
         if (handed and lane is not None and mask is None and sinks is None and queries.shape[2] == 1
                 and (self.budget_group is None or self.budget_group.allocated)):
             # a decode step (the general path below, without what this layer does not need)
-            attended = lane.attend_row(queries, self.config.scorer.rule, (keys, values), scale=scale)
-            if attended is not None:
-                self.passes_rows, self.scale, self._awaiting_scores = True, float(scale), False
-                return attended[0]
-        self.passes_rows |= handed
+            out = lane.attend_row(queries, self.config.scorer.rule, (keys, values), scale=scale)
+            if out is not None:
+                self.scale, self._awaiting_scores = float(scale), False
+                return out
         _check_call(self.lanes, keys, values, mask, handed)
         self.scale, outs = float(scale), []
         for lane in self.lanes:

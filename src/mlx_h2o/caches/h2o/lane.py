@@ -141,16 +141,16 @@ class Lane:
         over `own`, the (keys, values) the store's `append_in_place` returned, where the lane is all
         of the layer and keeps no archive, merges or running query statistics, and the rule folds
         mass (the caller's part: `reads_rows_alone`): the op reads the rows in place and folds its
-        mass into the score column, nothing else is built. None (nothing done) where the store does
-        not read `own` in place or holds dead rows. Returns (output, raw scores)."""
+        mass into the score column, nothing else is built. Returns the output (the model's space and
+        dtype), or None (nothing done) where the store does not read `own` in place or holds dead rows."""
         store = self.store
         segments = store.attended(own) if store.dead is None else None
         if segments is None:
             return None
         rotations = store.rotations()
         q = queries if rotations else store.prepare_queries(queries)
-        out, raw = self._attend_folding(q, segments, rule, scale=scale, mask=None, sinks=None, rotations=rotations)
-        return (out if rotations else store.restore_output(out, queries.dtype)), raw
+        out, _ = self._attend_folding(q, segments, rule, scale=scale, mask=None, sinks=None, rotations=rotations)
+        return out if rotations else store.restore_output(out, queries.dtype)
 
     def _attend_folding(self, q, segments, rule, *, scale, mask, sinks, rotations):
         """A decode row over the lane's own rows: its stats are the op's mass, which the op folds
