@@ -20,7 +20,8 @@
 # of MLX builds (27 min cold before the distributed tests); --quick: 14 min. On a slower machine of the
 # class (Intel Xeon 2.5 GHz), warm: 54 min on 2026-11-27 (stock 24, wheels 4, mlx 4, mlx-lm 4, fork 18).
 # Cold on 2026-11-28 (fresh clone, empty CCACHE_DIR, AMD EPYC): 32 min (stock 12, wheels 7, mlx 2,
-# mlx-lm 2, fork 9).
+# mlx-lm 2, fork 9). On 2026-11-30 (Intel Xeon, 2 cores, quiet): warm 24 min (stock 10.5, wheels 1.5,
+# mlx 2, mlx-lm 2, fork 8); cold 32 min (stock 12, wheels 7.5, mlx 2, mlx-lm 2, fork 8).
 #
 # Usage: ci/run.sh [--quick] [PYTEST_ARGS...]   (pytest arguments apply to steps 1 and 6)
 set -euo pipefail
