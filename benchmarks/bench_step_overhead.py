@@ -13,8 +13,8 @@ with every linear layer (incl. the lm_head) replaced by a zeros array of its out
 attention replaced likewise; with both. The differences are each part's in-place cost (kernel + its
 dispatch); what is left with both replaced is the per-token overhead, split into graph building
 (Python) and evaluation. An h2o cache has no step without its attention (its scores), so for it only
-the step as is is timed, split into building and evaluation. Also counts one step's primitives by kind. `uptime` is printed with the
-table: timings on a shared machine are provisional.
+the step as is is timed, split into building and evaluation. Also counts one step's primitives by
+kind. `uptime` is printed with the table: timings on a shared machine are provisional.
 """
 
 import argparse
